@@ -1,0 +1,1 @@
+complete --command glmctl --no-files --arguments "(env _GLMCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) glmctl)" --condition "env _GLMCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) glmctl"

@@ -1,0 +1,54 @@
+"""Exception-to-message mapping, applied once around the whole CLI (`glmctl.app.main`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+DEBUG_ENV = "GLMCTL_DEBUG"
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
+
+
+def _say(prefix: str, message: str, hint: str | None) -> None:
+    from rich.console import Console
+
+    err = Console(stderr=True, highlight=False)
+    err.print(f"[bold red]{prefix}:[/bold red] {message}", markup=True)
+    if hint:
+        err.print(f"[bold]hint:[/bold] {hint}")
+    if not _debug():
+        err.print(f"[dim](set {DEBUG_ENV}=1 for the traceback)[/dim]")
+
+
+def run_guarded(entry: Callable[[], object]) -> int:
+    """Run the CLI; turn known failures into a message and an exit code.
+
+    GlmctlError -> its exit_code (1 runtime, 2 usage/config); KeyboardInterrupt -> 130;
+    anything else -> 1 with "unexpected error". GLMCTL_DEBUG=1 prints the traceback too.
+    """
+    from glmctl.errors import GlmctlError
+
+    try:
+        entry()
+    except SystemExit as exc:  # click / typer exit paths (usage errors exit 2 there)
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    except GlmctlError as exc:
+        if _debug():
+            traceback.print_exc()
+        _say("error", exc.message, exc.hint)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence
+        if _debug():
+            traceback.print_exc()
+        _say("unexpected error", f"{type(exc).__name__}: {exc}", "please report this with the traceback")
+        return 1
+    return 0

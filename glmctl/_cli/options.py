@@ -1,0 +1,35 @@
+"""Option types shared by several commands, declared once (the `hf` CLI's habit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Checkpoint directory, a config.json, or the preset 'glm-5.3-flash'.",
+    ),
+]
+ProfileOpt = Annotated[
+    str | None, typer.Option("--profile", "-p", help="A shipped or user serving profile name.")
+]
+UrlOpt = Annotated[
+    str | None,
+    typer.Option("--url", help="Base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000."),
+]
+OutDirOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Where to write results.")]
+
+
+def examples(*lines: str) -> str:
+    """Render a command's examples into its help epilog."""
+    body = "\n\n".join(f"  $ {line}" for line in lines)
+    return f"Examples:\n\n{body}"

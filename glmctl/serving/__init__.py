@@ -1,0 +1,1 @@
+"""glmctl.serving"""
