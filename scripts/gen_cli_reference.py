@@ -17,10 +17,9 @@ DOC = ROOT / "docs" / "cli.md"
 
 
 def _walk(command, path):
-    import click
-
     yield path, command
-    if isinstance(command, click.Group):
+    # Duck-typed: Typer vendors its own Click, so isinstance against `click.Group` is always False.
+    if hasattr(command, "list_commands"):
         for name in sorted(command.list_commands(None)):  # type: ignore[arg-type]
             sub = command.get_command(None, name)  # type: ignore[arg-type]
             if sub is not None and not getattr(sub, "hidden", False):

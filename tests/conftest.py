@@ -58,3 +58,15 @@ def run_cli():
         )
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The default tiny GLM-5.3-Flash checkpoint (seed 0), built once per test session.
+
+    Returns a `glmctl.testing.tiny_checkpoint.TinyCheckpointInfo`; `.path` is the directory. Treat
+    it as read-only: every lane shares it. Needs torch and tokenizers (the [cpu] extra).
+    """
+    from glmctl.testing.tiny_checkpoint import build
+
+    return build(tmp_path_factory.mktemp("tiny-glm") / "ckpt", seed=0)
