@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from glmctl import __version__
-from glmctl.commands import plan, testing
+from glmctl.commands import fetch, plan, testing
 
 app = typer.Typer(
     name="glmctl",
@@ -26,6 +26,7 @@ app = typer.Typer(
 # (name, function) for leaf commands; (name, Typer) for command groups.
 COMMANDS = [
     ("plan", plan.plan),
+    ("fetch", fetch.fetch),
 ]
 GROUPS = [
     ("testing", testing.app),
