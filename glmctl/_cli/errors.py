@@ -17,7 +17,8 @@ def _debug() -> bool:
 def _say(prefix: str, message: str, hint: str | None) -> None:
     from rich.console import Console
 
-    err = Console(stderr=True, highlight=False)
+    # soft_wrap: a message is never broken mid-sentence by hard newlines (grep-able, copy-pasteable)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
     err.print(f"[bold red]{prefix}:[/bold red] {message}", markup=True)
     if hint:
         err.print(f"[bold]hint:[/bold] {hint}")

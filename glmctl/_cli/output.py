@@ -50,7 +50,7 @@ class Output:
         self.mode = mode
         # stdout carries the result; stderr carries notes and progress in every mode.
         self.out = Console(highlight=False, soft_wrap=False)
-        self.err = Console(stderr=True, highlight=False, no_color=mode is not Mode.human)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True, no_color=mode is not Mode.human)
 
     @classmethod
     def from_flags(cls, json_: bool = False, quiet: bool = False) -> Output:
