@@ -20,7 +20,13 @@ def main(path: str, port: int) -> dict:
     import torch
     from safetensors.torch import load_file
     from vllm.config import (
-        CacheConfig, KernelConfig, LoadConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig,
+        CacheConfig,
+        KernelConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
         set_current_vllm_config,
     )
     from vllm.config.speculative import SpeculativeConfig as _Spec
