@@ -16,12 +16,14 @@ def _debug() -> bool:
 
 def _say(prefix: str, message: str, hint: str | None) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     # soft_wrap: a message is never broken mid-sentence by hard newlines (grep-able, copy-pasteable)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    err.print(f"[bold red]{prefix}:[/bold red] {message}", markup=True)
+    # escape(): messages carry paths, globs and extras like 'glmctl[gpu]' that Rich would eat as markup
+    err.print(f"[bold red]{prefix}:[/bold red] {escape(message)}", markup=True)
     if hint:
-        err.print(f"[bold]hint:[/bold] {hint}")
+        err.print(f"[bold]hint:[/bold] {escape(hint)}")
     if not _debug():
         err.print(f"[dim](set {DEBUG_ENV}=1 for the traceback)[/dim]")
 

@@ -61,12 +61,15 @@ class Output:
         return self.mode is Mode.human
 
     def note(self, message: str) -> None:
-        """A line for the operator (stderr); silent in quiet mode."""
+        """A line for the operator (stderr); silent in quiet mode. Plain text: never parsed as markup."""
         if self.mode is not Mode.quiet:
-            self.err.print(message)
+            self.err.print(message, markup=False)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/yellow] {message}" if self.human else f"warning: {message}")
+        from rich.markup import escape
+
+        self.err.print(f"[yellow]warning:[/yellow] {escape(message)}" if self.human else f"warning: {message}",
+                       markup=self.human)
 
     def result(self, data: Any, render: Callable[[Console], None] | None = None) -> None:
         """Emit the command's result: JSON on stdout, or the human rendering."""

@@ -137,3 +137,22 @@ def test_cli_reference_is_current():
         [sys.executable, "scripts/gen_cli_reference.py"], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_brackets_in_messages_survive(capsys):
+    """Extras like glmctl[gpu] and globs like *.[ch] must not be eaten as Rich markup."""
+    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.output import Mode, Output
+    from glmctl.errors import DependencyError
+
+    def boom():
+        raise DependencyError("needs [gpu] extra", hint="pip install 'glmctl[gpu]'")
+
+    run_guarded(boom)
+    err = capsys.readouterr().err
+    assert "needs [gpu] extra" in err and "glmctl[gpu]" in err
+    out = Output(Mode.human)
+    out.note("[doctor] step")
+    out.warn("file x[1].bin")
+    err = capsys.readouterr().err
+    assert "[doctor] step" in err and "x[1].bin" in err
