@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from glmctl import __version__
-from glmctl.commands import fetch, plan, testing
+from glmctl.commands import doctor, fetch, plan, testing
 
 app = typer.Typer(
     name="glmctl",
@@ -27,6 +27,7 @@ app = typer.Typer(
 COMMANDS = [
     ("plan", plan.plan),
     ("fetch", fetch.fetch),
+    ("doctor", doctor.doctor),
 ]
 GROUPS = [
     ("testing", testing.app),

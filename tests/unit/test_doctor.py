@@ -1,0 +1,154 @@
+"""Doctor verdict rules and rendering, from recorded reports (tests/unit/fixtures/doctor/).
+
+- no-gpu-cpu-host.json: recorded by `glmctl doctor --quick --record` on the CPU dev machine;
+- synthetic-8xL40-no-p2p.json: a synthetic 8x L40 VM record built from the field report's figures
+  (NCCL ~1 GB/s, host memory ~100 GB/s, P2P reported inside a switch but writes dropped);
+- h200-*.json (when present): recorded by the gpu lane on the H200 test machine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from glmctl.probe.p2p import classify
+from glmctl.probe.report import CollectivePoint, DoctorReport, Gpu, P2PPair
+from glmctl.probe.verdict import ProfileFit, decide, prefill_floor
+
+FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
+
+
+def load(name: str) -> DoctorReport:
+    return DoctorReport.model_validate_json((FIXTURES / name).read_text())
+
+
+def test_every_recorded_report_still_parses_and_renders():
+    from rich.console import Console
+
+    from glmctl.probe.render import render
+
+    files = sorted(FIXTURES.glob("*.json"))
+    assert len(files) >= 2
+    for f in files:
+        report = load(f.name)
+        console = Console(record=True, width=160)
+        render(report, decide(report), console)
+        text = console.export_text()
+        assert "Verdict" in text and "Software" in text
+
+
+def test_no_gpu_means_tiny_cpu_only():
+    report = load("no-gpu-cpu-host.json")
+    v = decide(report)
+    assert not v.can_serve and "tiny-cpu only" in v.reasons[0]
+    assert decide(report, chosen="tiny-cpu").can_serve
+    assert v.prefill_floor_s is None
+
+
+def test_l40_vm_without_p2p():
+    report = load("synthetic-8xL40-no-p2p.json")
+    v = decide(report)
+    assert v.kernels.startswith("glmctl Triton") and "sm_8x" in v.kernels
+    assert v.collectives_mode.startswith("host-staged")
+    assert "NCCL_P2P_DISABLE=1" in v.required_settings and "--disable-custom-all-reduce" in v.required_settings
+    assert any("reported but broken for 24 pairs" in r for r in v.reasons)
+    # 3 * 8 ranks * (262144 tok * 4096 * 2 B * 45 layers * 2) / 100 GB/s = 46.4 s
+    assert v.prefill_floor_s == pytest.approx(46.4, abs=0.1)
+    assert v.prefill_floor_method.startswith("predicted")
+    assert v.can_serve  # no profile fit given: GPUs and kernels allow it
+
+
+def test_profile_fit_decides_the_exit():
+    report = load("synthetic-8xL40-no-p2p.json")
+    fits = [ProfileFit(profile="commercial", fits=False, reasons=["KV short by 3.1 GiB per GPU"]),
+            ProfileFit(profile="latency", fits=True)]
+    assert not decide(report, "commercial", fits).can_serve
+    assert decide(report, "latency", fits).can_serve
+    assert "profile commercial: KV short by 3.1 GiB per GPU" in decide(report, "commercial", fits).reasons
+
+
+def _report_with(**kw) -> DoctorReport:
+    base = load("synthetic-8xL40-no-p2p.json")
+    return base.model_copy(update=kw)
+
+
+def test_working_p2p_everywhere_means_nccl():
+    report = _report_with(p2p=[P2PPair(src=i, dst=j, cuda_can_access=True, write_test="pass", state="ok")
+                               for i in range(8) for j in range(8) if i != j])
+    v = decide(report)
+    assert v.collectives_mode.startswith("nccl") and not v.required_settings
+
+
+def test_measured_nccl_faster_wins_without_p2p():
+    base = load("synthetic-8xL40-no-p2p.json")
+    faster = [c.model_copy(update={"busbw_gbps": 50.0}) if c.backend == "nccl" else c for c in base.collectives]
+    v = decide(base.model_copy(update={"collectives": faster, "p2p": []}))
+    assert v.collectives_mode.startswith("nccl (measured faster")
+
+
+def test_quick_run_without_p2p_test_says_so():
+    v = decide(_report_with(p2p=[]))
+    assert v.collectives_mode.startswith("host-staged")
+    assert any("not tested" in r for r in v.reasons)
+
+
+def test_old_gpus_are_refused():
+    report = _report_with(gpus=[Gpu(index=0, name="T4", compute_capability=(7, 5), memory_bytes=16 << 30)], p2p=[])
+    v = decide(report)
+    assert not v.can_serve and v.kernels.startswith("unsupported")
+
+
+def test_hopper_uses_vllm_kernels():
+    report = _report_with(gpus=[Gpu(index=0, name="H200", compute_capability=(9, 0), memory_bytes=141 << 30)], p2p=[])
+    assert decide(report).kernels.startswith("vLLM's native")
+
+
+@pytest.mark.parametrize(("can", "write", "state"), [
+    (True, "pass", "ok"), (True, "fail", "reported-but-broken"), (True, "timeout", "reported-but-broken"),
+    (False, "error", "not-supported"), (False, "pass", "not-reported-but-works"), (None, "skipped", "untested"),
+])
+def test_p2p_classification(can, write, state):
+    assert classify(can, write) == state
+
+
+def test_prefill_floor_scales_with_host_bandwidth():
+    report = load("synthetic-8xL40-no-p2p.json")
+    slow = report.model_copy(update={"bandwidth": [b.model_copy(update={"gbps": 50.0}) for b in report.bandwidth]})
+    assert prefill_floor(slow, 8)[0] == pytest.approx(2 * prefill_floor(report, 8)[0])
+    assert prefill_floor(report, 1) is None
+
+
+def test_busbw_formula_matches_nccl_tests():
+    from glmctl.probe.nccl_bench import busbw_all_reduce
+
+    assert busbw_all_reduce(10.0, 8) == pytest.approx(17.5)
+    assert busbw_all_reduce(10.0, 2) == pytest.approx(10.0)
+
+
+def test_cli_replay_exit_codes_and_json_schema(run_cli):
+    bad = run_cli("doctor", "--from", str(FIXTURES / "no-gpu-cpu-host.json"), "--json")
+    assert bad.returncode == 1
+    doc = json.loads(bad.stdout)
+    assert set(doc) == {"report", "verdict"}
+    DoctorReport.model_validate(doc["report"])
+    assert set(doc["verdict"]) >= {"can_serve", "kernels", "collectives_mode", "prefill_floor_s", "reasons"}
+    ok = run_cli("doctor", "--from", str(FIXTURES / "synthetic-8xL40-no-p2p.json"), "--profile", "commercial")
+    assert ok.returncode == 0, ok.stderr
+    assert "host-staged" in ok.stdout
+
+
+def test_doctor_without_gpu_runs_and_exits_1(run_cli, tmp_path):
+    record = tmp_path / "r.json"
+    proc = run_cli("doctor", "--quick", "--record", str(record), "--json", timeout=120)
+    assert proc.returncode == 1
+    verdict = json.loads(proc.stdout)["verdict"]
+    assert "tiny-cpu only" in " ".join(verdict["reasons"])
+    report = DoctorReport.model_validate_json(record.read_text())
+    assert report.bandwidth and report.bandwidth[0].name.startswith("host memcpy")
+
+
+def test_collective_point_schema_is_stable():
+    fields = set(CollectivePoint.model_fields)
+    assert fields == {"op", "backend", "dtype", "ranks", "bytes", "latency_us", "algbw_gbps", "busbw_gbps", "env"}
