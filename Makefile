@@ -14,7 +14,7 @@ TINY    = $(OUT)/tiny-glm
 
 export PYTHONUNBUFFERED = 1
 
-.PHONY: install demo test test-unit test-vllm gpu-check completions docs check-generated lint clean
+.PHONY: install demo test test-unit test-vllm gpu-check gpu-bundle completions docs check-generated lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,10 +48,15 @@ test-unit: install
 test-vllm: install
 	$(PY) -m pytest -m "vllm and not gpu" tests
 
-# The gpu lane runs where there is CUDA (it is not part of CI). bench/gpu/run.sh installs the
-# carried wheels on the device machine and runs this same target's pytest line there.
+# The gpu lane runs where there is CUDA (it is not part of CI). On a machine with glmctl[gpu]
+# installed: `make gpu-check`. On a machine without a package index (the H200 test machine):
+# `make gpu-bundle` here, carry .whl/, and run bench/gpu/lane.sh there.
 gpu-check:
 	$(PYTHON) -m pytest -m gpu tests/gpu
+
+gpu-bundle: install
+	rm -f .whl/glmctl-*.whl
+	$(PIP) wheel -q --no-deps -w .whl .
 
 completions: install
 	$(PY) scripts/gen_completions.py --write
