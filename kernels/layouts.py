@@ -1,0 +1,137 @@
+"""Cache layouts that vLLM 0.30 allocates and writes for GLM-5.3-Flash, and torch views of them.
+
+Every kernel and reference in this package reads these layouts byte for byte; nothing here invents
+a layout of its own.
+
+MLA latent cache (one row per token, GLM-5.3-Flash has no RoPE dims: the latent is 512 wide)
+----------------------------------------------------------------------------------------------
+Tensor ``kv_cache[num_blocks, block_size, row]``; a token's row is addressed by vLLM's slot
+(``slot // block_size`` = block, ``slot % block_size`` = row in block) when writing, and by the
+*flat row index* ``block * (kv_cache.stride(0) // kv_cache.stride(1)) + row_in_block`` when
+reading (what ``triton_convert_req_index_to_global_index`` produces; equal to the slot when blocks
+are contiguous).
+
+* ``KV_BF16`` (``--kv-cache-dtype auto``): row = 512 x bf16 = 1024 B.
+* ``KV_FP8_DS_MLA`` (``--kv-cache-dtype fp8_ds_mla``; vLLM sizes it with
+  ``state_content_bytes = 656``), uint8 rows of 656 B::
+
+      bytes [  0, 512)  512 x float8_e4m3fn   latent[d] / scale[d // 128], RTNE, saturating
+      bytes [512, 528)  4 x float32           scale[t] = max(amax(latent[128t:128t+128]) / 448,
+                                                             FLT_MIN)   (an arbitrary fp32, not
+                                                             a power of two)
+      bytes [528, 656)  64 x bf16             the RoPE part of DeepSeek V3.2; GLM-5.3-Flash has
+                                              qk_rope_head_dim = 0, so nothing reads it (our
+                                              writer stores zeros there)
+
+  Dequantised latent: ``latent[d] = float(fp8[d]) * scale[d // 128]``.  All offsets are 16-byte
+  aligned; the row is 41 x 16 B.
+
+Indexer key cache (kpool pools: one entry per ``index_kpool`` = 16 tokens)
+--------------------------------------------------------------------------
+Tensor ``kv_cache[num_pages, page_pools, 132]`` uint8 (``head_dim + 4``), but the 132-byte "row"
+is a stride trick: each page stores all its values first, then all its scales::
+
+      page base = page * kv_cache.stride(0)
+      values  of pool-slot j : bytes [base + 128 j, base + 128 j + 128)   128 x e4m3 (Hadamard-
+                                rotated pooled key / scale)
+      scale   of pool-slot j : bytes [base + 128 page_pools + 4 j, ... + 4)   float32, a power of
+                                two (ue8m0 rounding: 2^ceil(log2(max(amax, 1e-4) / 448)))
+
+A request's pool ``p`` lives in page ``block_table[row, p // page_pools]`` at slot
+``p % page_pools``; a write goes to the pool-granular slot ``loc`` (page ``loc // page_pools``).
+
+Kpool tail cache
+----------------
+``tail[num_blocks, 2, kpool, 128]`` bf16: ``[b, 0, i]`` is the raw key and ``[b, 1, i]`` the gate
+score of the request's token whose ``position % kpool == i`` (a ring over the in-progress pool).
+The tail slot of a token is ``block * kpool + position % kpool``.
+
+Sparse-attention index rows
+---------------------------
+The indexer writes, per query token, ``topk + kpool - 1`` request-logical token positions
+(``2048 + 15`` = 2063): the expanded selected pools (``16 p + o``), then the always-selected tail
+(``[16 * (seq_len // 16), seq_len)``), -1 for every unused entry; vLLM pads the buffer to a
+multiple of 128 columns (2176) with -1. Sparse MLA reads flat row indices (see above), -1 = none.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+LATENT_DIM = 512
+SCALE_TILE = 128
+FP8_MAX = 448.0
+# fp8_ds_mla row: 512 fp8 values, 4 fp32 scales, 64 bf16 RoPE values (unused by GLM-5.3-Flash).
+FP8_DS_MLA_ROW_BYTES = 656
+FP8_DS_MLA_SCALE_OFFSET = 512
+BF16_ROW_BYTES = LATENT_DIM * 2
+
+INDEXER_HEAD_DIM = 128
+INDEXER_ROW_BYTES = INDEXER_HEAD_DIM + 4
+
+KV_BF16 = "bf16"
+KV_FP8_DS_MLA = "fp8_ds_mla"
+KV_FORMATS = (KV_BF16, KV_FP8_DS_MLA)
+
+
+def mla_kv_format(kv_cache: torch.Tensor) -> str:
+    """Which latent-cache layout a vLLM MLA cache tensor holds (from its dtype and row width)."""
+    import torch
+
+    if kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == LATENT_DIM:
+        return KV_BF16
+    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == FP8_DS_MLA_ROW_BYTES:
+        return KV_FP8_DS_MLA
+    raise ValueError(
+        f"unsupported MLA cache: dtype {kv_cache.dtype}, row width {kv_cache.shape[-1]} "
+        f"(expected bf16 x {LATENT_DIM} or uint8 x {FP8_DS_MLA_ROW_BYTES})"
+    )
+
+
+def flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[num_flat_rows, row]`` view of a paged MLA cache, indexed by flat row (see module doc)."""
+    num_blocks, block_size, row = kv_cache.shape
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != row or kv_cache.stride(0) % row:
+        raise ValueError("MLA cache rows must be contiguous and blocks a whole number of rows")
+    rows_per_block = kv_cache.stride(0) // row
+    num_rows = (num_blocks - 1) * rows_per_block + block_size
+    return kv_cache.as_strided((num_rows, row), (row, 1))
+
+
+def dequant_latent_rows(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """fp32 latents ``[..., 512]`` from cache rows ``[..., row]`` of either layout."""
+    import torch
+
+    if kv_format == KV_BF16:
+        return rows.float()
+    values = rows[..., :LATENT_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    scales = (
+        rows[..., FP8_DS_MLA_SCALE_OFFSET : FP8_DS_MLA_SCALE_OFFSET + 16].contiguous()
+        .view(torch.float32)
+    )
+    tiles = values.unflatten(-1, (LATENT_DIM // SCALE_TILE, SCALE_TILE))
+    return (tiles * scales.unsqueeze(-1)).flatten(-2)
+
+
+def indexer_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values ``[pages, page_pools, 128]`` fp8, scales ``[pages, page_pools]`` fp32) views of the
+    indexer key cache, honouring its page stride."""
+    import torch
+
+    num_pages, page_pools, width = kv_cache.shape
+    if kv_cache.dtype != torch.uint8 or width != INDEXER_ROW_BYTES:
+        raise ValueError(f"indexer cache must be uint8 [pages, pools, {INDEXER_ROW_BYTES}]")
+    page_stride = kv_cache.stride(0)
+    if page_stride % 4 or kv_cache.stride(1) != INDEXER_ROW_BYTES or kv_cache.stride(2) != 1:
+        raise ValueError("indexer pages must be dense [pools, 132] byte blocks, 4-byte aligned")
+    base = kv_cache.storage_offset()
+    values = kv_cache.as_strided(
+        (num_pages, page_pools, INDEXER_HEAD_DIM), (page_stride, INDEXER_HEAD_DIM, 1), base
+    ).view(torch.float8_e4m3fn)
+    scale_bytes = kv_cache.as_strided(
+        (num_pages, page_pools, 4), (page_stride, 4, 1), base + page_pools * INDEXER_HEAD_DIM
+    )
+    return values, scale_bytes.view(torch.float32).squeeze(-1)

@@ -1,0 +1,243 @@
+"""Sparse MLA attention over selected cache rows (absorbed / MQA form), prefill and chunked prefill.
+
+``sparse_mla_prefill(q, kv_cache, indices, softmax_scale, out, lse)`` and
+``sparse_mla_prefill_ref`` (same arguments, ``out``/``lse`` optional).
+
+* ``q``: ``[T, H, 512]`` bf16, queries already absorbed into the latent space (``q_nope @ W_UK``);
+  GLM-5.3-Flash has no RoPE part, so q and k are both the 512-d latent.
+* ``kv_cache``: vLLM's latent cache, ``[num_blocks, block_size, 512]`` bf16 or
+  ``[num_blocks, block_size, 656]`` uint8 ``fp8_ds_mla`` (see :mod:`glmctl.kernels.layouts`).
+* ``indices``: ``[T, K]`` int32 flat cache rows per query token (vLLM's converted top-k, K is
+  the buffer width, 2176 for GLM-5.3-Flash); entries < 0 or past the cache are ignored and never
+  read; duplicates count twice (vLLM never produces them).
+* ``softmax_scale``: the model's scale (``qk_head_dim ** -0.5`` times the YaRN mscale squared);
+  no default, FlashMLA's ``576 ** -0.5`` would be wrong here.
+* ``out``: ``[T, H, 512]`` (q's dtype) = ``sum_n softmax(scale * q.k_n) * k_n`` (V = the latent);
+  ``lse``: ``[T, H]`` fp32, natural-log log-sum-exp of the scaled scores. A row with no valid
+  index gives ``out = 0`` and ``lse = -inf``.
+
+Kernel: one program per (token, block of ``BLOCK_H`` heads, split); it walks its columns of
+``indices`` ``BLOCK_N`` at a time with an online softmax in base 2. The 512-d row is handled as
+four 128-wide tiles so that an fp8 tile is used exactly (e4m3 -> bf16 is exact) and its per-tile
+scale multiplies the fp32 dot products instead of every element: scores
+``sum_t scale_t * (q_t . k8_t)``, values ``acc_t += (p * scale_t) @ k8_t``. The decode launcher
+(:mod:`.sparse_mla_decode`) runs the same kernel with several splits writing fp32 partials.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layouts import (
+    FP8_DS_MLA_SCALE_OFFSET,
+    KV_BF16,
+    LATENT_DIM,
+    flat_rows,
+    mla_kv_format,
+)
+from .layouts import dequant_latent_rows as _dequant
+from .triton_env import dot_dtype
+
+LOG2E = 1.4426950408889634
+# Shipped configurations (BLOCK_H, BLOCK_N, num_warps, num_stages); every one is compiled for
+# sm_89 in tests/unit/test_kernels_sm89.py to prove it fits 99 KB of shared memory.
+PREFILL_CONFIGS = {16: (16, 32, 4, 1), 32: (32, 32, 8, 1), 64: (32, 32, 8, 1)}
+
+
+@triton.jit
+def _load_tile(kv_ptr, kv_f32_ptr, rows, valid, t: tl.constexpr, row_stride,
+               FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Tile ``t`` (128 wide) of the selected rows (exact in bf16), and its per-row fp32 scale."""
+    d = tl.arange(0, 128)
+    base = rows * row_stride
+    k = tl.load(kv_ptr + base[:, None] + t * 128 + d[None, :], mask=valid[:, None], other=0.0)
+    if FP8:
+        scale = tl.load(kv_f32_ptr + (base + SCALE_OFFSET) // 4 + t, mask=valid, other=0.0)
+    else:
+        scale = tl.full(rows.shape, 1.0, tl.float32)
+    return k.to(DOT_DTYPE), scale
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr, q_stride_t, q_stride_h,
+    kv_ptr, kv_f32_ptr, row_stride, num_rows,
+    idx_ptr, idx_stride_t, topk,
+    out_ptr, out_stride_t, out_stride_s, out_stride_h,
+    lse_ptr, lse_stride_t, lse_stride_s,
+    num_heads, sm_scale_log2, split_len,
+    FP8: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    d = tl.arange(0, 128)
+
+    q_base = q_ptr + tok * q_stride_t + heads[:, None] * q_stride_h + d[None, :]
+    q0 = tl.load(q_base + 0, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q1 = tl.load(q_base + 128, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q2 = tl.load(q_base + 256, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q3 = tl.load(q_base + 384, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+
+    start = split * split_len
+    end = tl.minimum(start + split_len, topk)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + tok * idx_stride_t + cols, mask=cols < end, other=-1)
+        valid = (idx >= 0) & (idx < num_rows)
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            k0, s0 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 0, row_stride, FP8, SCALE_OFFSET,
+                                DOT_DTYPE)
+            k1, s1 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 1, row_stride, FP8, SCALE_OFFSET,
+                                DOT_DTYPE)
+            k2, s2 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 2, row_stride, FP8, SCALE_OFFSET,
+                                DOT_DTYPE)
+            k3, s3 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 3, row_stride, FP8, SCALE_OFFSET,
+                                DOT_DTYPE)
+            if FP8:
+                scores = tl.dot(q0, tl.trans(k0)) * s0[None, :]
+                scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
+                scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
+                scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+            else:
+                scores = tl.dot(q0, tl.trans(k0))
+                scores = tl.dot(q1, tl.trans(k1), scores)
+                scores = tl.dot(q2, tl.trans(k2), scores)
+                scores = tl.dot(q3, tl.trans(k3), scores)
+            scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            # A head with no valid column yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_shift)
+            p = tl.exp2(scores - m_shift[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            m = m_new
+            if FP8:
+                acc0 = tl.dot((p * s0[None, :]).to(DOT_DTYPE), k0, acc0 * alpha[:, None])
+                acc1 = tl.dot((p * s1[None, :]).to(DOT_DTYPE), k1, acc1 * alpha[:, None])
+                acc2 = tl.dot((p * s2[None, :]).to(DOT_DTYPE), k2, acc2 * alpha[:, None])
+                acc3 = tl.dot((p * s3[None, :]).to(DOT_DTYPE), k3, acc3 * alpha[:, None])
+            else:
+                pb = p.to(DOT_DTYPE)
+                acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
+                acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
+                acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+                acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+
+    has_any = l_sum > 0.0
+    inv = tl.where(has_any, 1.0 / tl.where(has_any, l_sum, 1.0), 0.0)
+    lse = tl.where(has_any, (m + tl.log2(tl.where(has_any, l_sum, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    o_base = out_ptr + tok * out_stride_t + split * out_stride_s + heads[:, None] * out_stride_h + d[None, :]
+    o_dtype = out_ptr.dtype.element_ty
+    tl.store(o_base + 0, (acc0 * inv[:, None]).to(o_dtype), mask=hmask[:, None])
+    tl.store(o_base + 128, (acc1 * inv[:, None]).to(o_dtype), mask=hmask[:, None])
+    tl.store(o_base + 256, (acc2 * inv[:, None]).to(o_dtype), mask=hmask[:, None])
+    tl.store(o_base + 384, (acc3 * inv[:, None]).to(o_dtype), mask=hmask[:, None])
+    tl.store(lse_ptr + tok * lse_stride_t + split * lse_stride_s + heads, lse, mask=hmask)
+
+
+def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, num_splits,
+                             split_len, block_h, block_n, num_warps, num_stages, partial):
+    """Launch the attention kernel (shared by prefill and decode stage 1)."""
+    fmt = mla_kv_format(kv_cache)
+    rows = flat_rows(kv_cache)
+    num_tokens, num_heads, dim = q.shape
+    assert dim == LATENT_DIM and q.stride(-1) == 1 and indices.stride(-1) == 1
+    if fmt == KV_BF16:
+        kv, kv_f32, row_stride = rows, rows, rows.stride(0)
+    else:
+        kv = rows.view(torch.float8_e4m3fn)
+        kv_f32, row_stride = kv_cache.view(torch.float32), rows.stride(0)
+    if num_tokens == 0:
+        return
+    grid = (num_tokens, triton.cdiv(num_heads, block_h), num_splits)
+    out_strides = (out.stride(0), out.stride(1), out.stride(2)) if partial else (
+        out.stride(0), 0, out.stride(1))
+    lse_strides = (lse.stride(0), lse.stride(1)) if partial else (lse.stride(0), 0)
+    _sparse_mla_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv, kv_f32, row_stride, rows.shape[0],
+        indices, indices.stride(0), indices.shape[1],
+        out, *out_strides,
+        lse, *lse_strides,
+        num_heads, softmax_scale * LOG2E, split_len,
+        FP8=fmt != KV_BF16,
+        PARTIAL=partial,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        SCALE_OFFSET=FP8_DS_MLA_SCALE_OFFSET,
+        DOT_DTYPE=dot_dtype(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def prefill_config(num_heads: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for a head count (heads per rank)."""
+    for limit in sorted(PREFILL_CONFIGS):
+        if num_heads <= limit:
+            return PREFILL_CONFIGS[limit]
+    return PREFILL_CONFIGS[max(PREFILL_CONFIGS)]
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                       softmax_scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Sparse MLA for many query tokens, each with its own selection (no split-K)."""
+    block_h, block_n, num_warps, num_stages = prefill_config(q.shape[1])
+    launch_sparse_mla_kernel(
+        q, kv_cache, indices, softmax_scale, out, lse, num_splits=1, split_len=indices.shape[1],
+        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        partial=False,
+    )
+
+
+def sparse_mla_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                           softmax_scale: float, out: torch.Tensor | None = None,
+                           lse: torch.Tensor | None = None, *,
+                           compute_dtype: torch.dtype = torch.float32,
+                           chunk_bytes: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference (gather + matmul), vectorised over tokens in memory-bounded chunks.
+
+    Used by the CPU plugin path; ``compute_dtype=torch.float64`` gives the GPU tests' oracle.
+    """
+    fmt = mla_kv_format(kv_cache)
+    rows = flat_rows(kv_cache)
+    num_tokens, num_heads, _ = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+    topk = indices.shape[1]
+    valid = (indices >= 0) & (indices < rows.shape[0])
+    safe = torch.where(valid, indices, 0).long()
+    per_token = max(1, topk * LATENT_DIM * torch.finfo(compute_dtype).bits // 8)
+    step = max(1, chunk_bytes // per_token)
+    for lo in range(0, num_tokens, step):
+        hi = min(num_tokens, lo + step)
+        kv = _dequant(rows[safe[lo:hi]], fmt).to(compute_dtype)  # [t, K, 512]
+        scores = torch.einsum("thd,tkd->thk", q[lo:hi].to(compute_dtype), kv) * softmax_scale
+        scores = scores.masked_fill(~valid[lo:hi, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
+        probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0)[..., None])
+        out[lo:hi] = torch.einsum("thk,tkd->thd", probs, kv).to(out.dtype)
+        lse[lo:hi] = row_lse.to(lse.dtype)
+    return out, lse
+

@@ -1,0 +1,71 @@
+"""What the Triton interpreter (``TRITON_INTERPRET=1``, the CPU unit lane) gets wrong, and the one
+switch the launchers use to stay testable under it.
+
+Checked with triton 3.9.0 on CPU:
+
+* ``tl.dot`` of two bf16 tensors returns garbage (errors of 1e11 on unit-normal inputs); fp16
+  and fp32 dots are right. Launchers therefore pass ``DOT_DTYPE = tl.float32`` under the
+  interpreter and ``tl.bfloat16`` on a GPU: the CPU tests check indexing, masking, the online
+  softmax and the split merge; the bf16 rounding itself is checked by the GPU lane.
+* fp32 -> float8e4nv conversion rounds wrongly (see :mod:`.fp8_bits`, which avoids it).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_dtype():
+    """Operand dtype for the kernels' bf16 matrix products (fp32 under the interpreter)."""
+    import triton.language as tl
+
+    return tl.float32 if interpreting() else tl.bfloat16
+
+
+def import_interpreted(*module_names: str) -> list | None:
+    """Import kernel modules so that their kernels run in the Triton interpreter (for tests).
+
+    The interpreter is chosen when ``@triton.jit`` runs, for our kernels and for Triton's own
+    ``tl.max``/``tl.sum``..., so ``TRITON_INTERPRET=1`` must be set before ``triton`` is first
+    imported in the process. Returns the modules, or None when triton was already imported
+    without the interpreter (the caller then re-runs its tests in a fresh process, see
+    :func:`run_in_fresh_interpreter_process`). The variable is restored afterwards so that
+    processes started later (vLLM servers in the vllm lane) do not inherit it.
+    """
+    import importlib
+    import sys
+
+    if "triton" in sys.modules:
+        import triton.language as tl_mod
+
+        if type(tl_mod.standard.max).__name__ != "InterpretedFunction":
+            return None
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return [importlib.import_module(name) for name in module_names]
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def run_in_fresh_interpreter_process(test_file: str, timeout: float = 600.0) -> None:
+    """Run a kernel test file under ``TRITON_INTERPRET=1`` in a new Python process; raise with its
+    output when it fails."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"{test_file} failed in a fresh process:\n{result.stdout[-4000:]}"
+                             f"\n{result.stderr[-2000:]}")
