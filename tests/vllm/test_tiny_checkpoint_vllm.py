@@ -64,3 +64,11 @@ def test_vllm_loads_every_weight_of_main_model_and_mtp(vllm_view):
         assert vllm_view[part]["not_loaded"] == [], part
         assert vllm_view[part]["unknown"] == [], part
     assert vllm_view["values_match"]
+
+
+def test_vllms_tokenizer_loader_reads_the_tokenizer_and_chat_template(vllm_view, tiny_checkpoint):
+    assert vllm_view["tokenizer"] == {
+        "eos_token_id": tiny_checkpoint.special_token_ids["<|endoftext|>"],
+        "size": tiny_checkpoint.tokenizer_vocab,
+        "chat": "[gMASK]<sop><|user|>\nhi<|assistant|>\n",
+    }

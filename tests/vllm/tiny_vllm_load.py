@@ -55,6 +55,15 @@ def main(path: str, port: int) -> dict:
             "linear_head_dim", "num_nextn_predict_layers", "mlp_layer_types", "layers_block_type",
         )},
     }
+    from vllm.tokenizers.registry import get_tokenizer
+
+    tokenizer = get_tokenizer(path)
+    report["tokenizer"] = {
+        "eos_token_id": tokenizer.eos_token_id,
+        "size": len(tokenizer),
+        "chat": tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                              add_generation_prompt=True),
+    }
     parallel = ParallelConfig()
     vllm_config = VllmConfig(
         model_config=model_config,
