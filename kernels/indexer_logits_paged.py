@@ -17,13 +17,125 @@ which is what vLLM 0.30 calls on Hopper:
   ``out[b*N + n, p] = scale[p] * sum_h weights[b*N + n, h] * relu(q[b, n, h] . k[p])`` with the fp8
   values multiplied exactly and summed in fp32. Columns at or past the context length are -inf
   in the reference and unspecified (not written) in the kernel; the top-k never reads them.
+
+Kernel: a fixed number of programs (``num_programs``, default 2 per SM: the grid never depends
+on lengths, so it can be captured in a CUDA graph) share the work evenly. Each program reads the
+context lengths on the device, numbers every request's ``BLOCK_N``-pool tiles in one sequence
+and takes a contiguous share of it; a tile's keys are read once for all ``N`` query tokens and
+``H`` heads of its request (one fp8 ``[N*H, 128] x [128, BLOCK_N]`` product), so MTP verification
+costs no extra key traffic.
 """
 
 from __future__ import annotations
 
-import torch
+import functools
 
-from .layouts import indexer_page_views
+import torch
+import triton
+import triton.language as tl
+
+from .layouts import INDEXER_HEAD_DIM, indexer_page_views
+from .triton_env import interpreting
+
+# (BLOCK_N, num_warps, num_stages); compiled for sm_89 in tests/unit/test_kernels_sm89.py.
+PAGED_CONFIG = (64, 4, 1)
+
+
+@triton.jit
+def _indexer_logits_paged_kernel(
+    q_ptr, w_ptr, kv_ptr, kv_f32_ptr, page_stride,
+    bt_ptr, bt_stride, ctx_ptr, out_ptr, out_stride, num_req,
+    N: tl.constexpr, N_PAD: tl.constexpr, H: tl.constexpr, PAGE_POOLS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    # Work list: request b owns cdiv(max_n ctx[b, n], BLOCK_N) consecutive tiles.
+    reqs = tl.arange(0, BLOCK_B)
+    live = reqs < num_req
+    longest = tl.zeros([BLOCK_B], tl.int32)
+    for n in tl.static_range(N):
+        longest = tl.maximum(longest, tl.load(ctx_ptr + reqs * N + n, mask=live, other=0))
+    tiles = tl.where(live, (longest + BLOCK_N - 1) // BLOCK_N, 0)
+    ends = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    share = (total + nprog - 1) // nprog
+    first = pid * share
+    last = tl.minimum(first + share, total)
+
+    rows = tl.arange(0, N_PAD * H)  # query row = n * H + h
+    row_ok = rows < N * H
+    d = tl.arange(0, 128)
+    toks = tl.arange(0, N_PAD)
+    cols = tl.arange(0, BLOCK_N)
+    cur = -1
+    q = tl.zeros([N_PAD * H, 128], DOT_DTYPE)
+    w = tl.zeros([N_PAD * H], tl.float32)
+    ctx = tl.zeros([N_PAD], tl.int32)
+    for g in range(first, last):
+        req = tl.sum((ends <= g).to(tl.int32), axis=0)
+        tile = g - tl.sum(tl.where(reqs < req, tiles, 0), axis=0)
+        if req != cur:
+            base = req.to(tl.int64) * N * H
+            q = tl.load(q_ptr + (base + rows[:, None]) * 128 + d[None, :], mask=row_ok[:, None],
+                        other=0.0).to(DOT_DTYPE)
+            w = tl.load(w_ptr + base + rows, mask=row_ok, other=0.0)
+            ctx = tl.load(ctx_ptr + req * N + toks, mask=toks < N, other=0)
+            cur = req
+        pools = tile * BLOCK_N + cols
+        in_ctx = pools < tl.max(ctx, axis=0)
+        page = tl.load(bt_ptr + req.to(tl.int64) * bt_stride + pools // PAGE_POOLS, mask=in_ctx,
+                       other=0).to(tl.int64)
+        slot = pools % PAGE_POOLS
+        page_base = page * page_stride
+        k = tl.load(kv_ptr + page_base[:, None] + slot[:, None] * 128 + d[None, :],
+                    mask=in_ctx[:, None], other=0.0).to(DOT_DTYPE)
+        k_scale = tl.load(kv_f32_ptr + (page_base + PAGE_POOLS * 128) // 4 + slot, mask=in_ctx,
+                          other=0.0)
+        scores = tl.dot(q, tl.trans(k))  # [N_PAD*H, BLOCK_N], exact fp8 products, fp32 sums
+        scores = tl.maximum(scores, 0.0) * w[:, None]
+        logits = tl.sum(tl.reshape(scores, [N_PAD, H, BLOCK_N]), axis=1) * k_scale[None, :]
+        out_rows = (req * N + toks).to(tl.int64) * out_stride
+        keep = (toks[:, None] < N) & (pools[None, :] < ctx[:, None])
+        tl.store(out_ptr + out_rows[:, None] + pools[None, :], logits, mask=keep)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_programs(device: torch.device) -> int:
+    """Two programs per SM (4 on CPU / under the interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return 4
+    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, context_lens: torch.Tensor,
+                         out: torch.Tensor, num_programs: int | None = None) -> torch.Tensor:
+    """Triton kernel; same contract as :func:`indexer_logits_paged_ref` (see module doc)."""
+    num_req, next_n, heads, dim = q_fp8.shape
+    assert dim == INDEXER_HEAD_DIM and q_fp8.is_contiguous() and weights.is_contiguous()
+    assert context_lens.is_contiguous() and context_lens.numel() == num_req * next_n
+    assert out.stride(1) == 1 and block_table.stride(1) == 1
+    if num_req == 0:
+        return out
+    page_values, _ = indexer_page_views(kv_cache)
+    block_n, num_warps, num_stages = PAGED_CONFIG
+    if num_programs is None:
+        num_programs = default_num_programs(q_fp8.device)
+    _indexer_logits_paged_kernel[(num_programs,)](
+        q_fp8, weights, kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32),
+        kv_cache.stride(0), block_table, block_table.stride(0), context_lens, out, out.stride(0),
+        num_req,
+        N=next_n, N_PAD=triton.next_power_of_2(next_n), H=heads, PAGE_POOLS=kv_cache.shape[1],
+        BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(num_req)),
+        DOT_DTYPE=tl.float32 if interpreting() else tl.float8e4nv,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
 
 
 def indexer_logits_paged_ref(q_fp8: torch.Tensor, weights: torch.Tensor,

@@ -14,11 +14,120 @@
   ``kpool * j + o``, then -1; columns ``[select_pools * kpool, + kpool - 1)`` hold the tail tokens
   ``kpool * n + i`` for ``i < seq_len - kpool * n``, then -1; every later column is -1. These are
   request-logical token positions, as vLLM's ``expand_pools_and_append_tail`` writes them.
+
+Kernel: one program per row; graph safe (lengths read on the device, no allocation). A row with
+at most ``select_pools`` pools is written directly. Otherwise an exact radix select finds the
+``select_pools``-th largest logit: logits map to order-preserving 32-bit keys, and four passes
+histogram one 8-bit digit each among the keys that match the digits chosen so far. A last pass
+walks the row in index order and keeps every key above the threshold plus the first ties, so
+the output is deterministic and sorted by pool. Every output column is written exactly once.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+# (BLOCK, num_warps); compiled for sm_89 in tests/unit/test_kernels_sm89.py.
+TOPK_CONFIG = (1024, 4)
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int64 in [0, 2^32) with the same order (negative floats below positive ones)."""
+    bits = x.to(tl.int32, bitcast=True)
+    low = bits.to(tl.int64) & 0xFFFFFFFF
+    return tl.where(bits < 0, 0xFFFFFFFF - low, low + 0x80000000)
+
+
+@triton.jit
+def _kpool_topk_kernel(
+    logits_ptr, logits_stride, starts_ptr, seq_ptr, out_ptr, out_stride, out_width,
+    HAS_STARTS: tl.constexpr, KPOOL: tl.constexpr, SELECT: tl.constexpr,
+    BLOCK: tl.constexpr, TAIL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    seq = tl.maximum(tl.load(seq_ptr + row), 0)
+    n = seq // KPOOL
+    base = logits_ptr + row * logits_stride
+    if HAS_STARTS:
+        base += tl.load(starts_ptr + row)
+    out_row = out_ptr + row * out_stride
+    lane = tl.arange(0, BLOCK)
+    sub = tl.arange(0, KPOOL)
+
+    if n <= SELECT:
+        for c0 in range(0, SELECT * KPOOL, BLOCK):
+            col = c0 + lane
+            tl.store(out_row + col, tl.where(col < n * KPOOL, col, -1), mask=col < SELECT * KPOOL)
+    else:
+        bins = tl.arange(0, 256)
+        first_half = (tl.arange(0, 2) == 0).to(tl.int32)
+        prefix = tl.zeros([], tl.int64)
+        remaining = tl.full([], SELECT, tl.int32)
+        for step in tl.static_range(4):
+            hist = tl.zeros([256], tl.int32)
+            for c0 in range(0, n, BLOCK):
+                offs = c0 + lane
+                inside = offs < n
+                key = _order_key(tl.load(base + offs, mask=inside, other=0.0))
+                match = inside
+                if step > 0:
+                    match = inside & ((key >> (32 - 8 * step)) == (prefix >> (32 - 8 * step)))
+                # Keys that do not match go to bins 256..511, which are dropped.
+                digit = tl.where(match, (key >> (24 - 8 * step)) & 255, 256).to(tl.int32)
+                both = tl.reshape(tl.histogram(digit, 512), [2, 256])
+                hist += tl.sum(both * first_half[:, None], axis=0)
+            matched = tl.sum(hist, axis=0)
+            at_least = matched - (tl.cumsum(hist, axis=0) - hist)  # keys with digit >= d
+            chosen = tl.max(tl.where(at_least >= remaining, bins, -1), axis=0)
+            chosen_count = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
+            chosen_at_least = tl.sum(tl.where(bins == chosen, at_least, 0), axis=0)
+            remaining -= chosen_at_least - chosen_count
+            prefix = prefix | (chosen.to(tl.int64) << (24 - 8 * step))
+        # prefix is the threshold key; take all keys above it and the first `remaining` equal.
+        written = tl.zeros([], tl.int32)
+        ties_seen = tl.zeros([], tl.int32)
+        for c0 in range(0, n, BLOCK):
+            offs = c0 + lane
+            inside = offs < n
+            key = _order_key(tl.load(base + offs, mask=inside, other=0.0))
+            above = inside & (key > prefix)
+            tie = (inside & (key == prefix)).to(tl.int32)
+            tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+            take = above | ((tie > 0) & (tie_rank < remaining))
+            pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tokens = offs[:, None] * KPOOL + sub[None, :]
+            tl.store(out_row + pos[:, None] * KPOOL + sub[None, :], tokens, mask=take[:, None])
+            written += tl.sum(take.to(tl.int32), axis=0)
+            ties_seen += tl.sum(tie, axis=0)
+
+    tail = tl.arange(0, TAIL)
+    tail_tok = n * KPOOL + tail
+    tl.store(out_row + SELECT * KPOOL + tail, tl.where(tail_tok < seq, tail_tok, -1),
+             mask=tail < KPOOL - 1)
+    for c0 in range(SELECT * KPOOL + KPOOL - 1, out_width, BLOCK):
+        col = c0 + lane
+        tl.store(out_row + col, tl.full([BLOCK], -1, tl.int32), mask=col < out_width)
+
+
+def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, kpool: int,
+               select_pools: int, row_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton kernel; same contract as :func:`kpool_topk_ref` (see module doc)."""
+    num_rows = logits.shape[0]
+    assert out.dtype == torch.int32 and out.stride(1) == 1 and logits.stride(1) == 1
+    assert out.shape[1] >= select_pools * kpool + kpool - 1 and kpool & (kpool - 1) == 0
+    if num_rows == 0:
+        return out
+    block, num_warps = TOPK_CONFIG
+    _kpool_topk_kernel[(num_rows,)](
+        logits, logits.stride(0), row_starts if row_starts is not None else seq_lens, seq_lens,
+        out, out.stride(0), out.shape[1],
+        HAS_STARTS=row_starts is not None, KPOOL=kpool, SELECT=select_pools, BLOCK=block,
+        TAIL=max(2, triton.next_power_of_2(kpool - 1)), num_warps=num_warps,
+    )
+    return out
 
 
 def kpool_topk_ref(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,

@@ -1,0 +1,118 @@
+"""Cross-compile every shipped kernel configuration for Ada (sm_89) and report its resources.
+
+``python -m glmctl.kernels.sm89_check`` prints one JSON line per configuration: kernel, config,
+``shared`` (bytes of shared memory per block, which must stay <= 99 KB = 101376 B on sm_89),
+registers spilled to local memory, and whether the PTX uses Hopper-only ``wgmma``. Works on a
+machine without a GPU (``triton.compile`` with ``GPUTarget("cuda", 89, 32)``); run it in a
+process where ``TRITON_INTERPRET`` is unset. ``tests/unit/test_kernels_sm89.py`` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+SM89_SHARED_LIMIT = 101376
+
+
+def shipped_configs():
+    """(name, jit function, {arg: type}, {constexpr: value}, options) for every shipped config."""
+    import triton.language as tl
+
+    from . import (
+        indexer_logits_paged,
+        indexer_logits_ragged,
+        kpool_topk,
+        mla_cache_write,
+        sparse_mla_decode,
+        sparse_mla_prefill,
+    )
+
+    i64, i32, f32 = "i64", "i32", "fp32"
+    mla_types = dict(
+        q_ptr="*bf16", q_stride_t=i64, q_stride_h=i64, kv_ptr="*fp8e4nv", kv_f32_ptr="*fp32",
+        row_stride=i64, num_rows=i64, idx_ptr="*i32", idx_stride_t=i64, topk=i32,
+        out_ptr="*fp32", out_stride_t=i64, out_stride_s=i64, out_stride_h=i64, lse_ptr="*fp32",
+        lse_stride_t=i64, lse_stride_s=i64, num_heads=i32, sm_scale_log2=f32, split_len=i32,
+    )
+    configs = set(sparse_mla_prefill.PREFILL_CONFIGS.values())
+    configs |= set(sparse_mla_decode.DECODE_CONFIGS.values())
+    for block_h, block_n, warps, stages in sorted(configs):
+        for fp8 in (True, False):
+            types = dict(mla_types, kv_ptr="*fp8e4nv" if fp8 else "*bf16")
+            yield (f"sparse_mla[{'fp8' if fp8 else 'bf16'} h{block_h} n{block_n} w{warps} "
+                   f"s{stages}]", sparse_mla_prefill._sparse_mla_kernel, types,
+                   dict(FP8=fp8, PARTIAL=True, BLOCK_H=block_h, BLOCK_N=block_n,
+                        SCALE_OFFSET=512, DOT_DTYPE=tl.bfloat16),
+                   dict(num_warps=warps, num_stages=stages))
+    yield ("sparse_mla_combine[16 splits]", sparse_mla_decode._combine_kernel,
+           dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", out_stride_t=i64,
+                out_stride_h=i64, lse_ptr="*fp32", lse_stride_t=i64, num_heads=i32),
+           dict(NUM_SPLITS=sparse_mla_decode.MAX_SPLITS, BLOCK_S=sparse_mla_decode.MAX_SPLITS,
+                DIM=512),
+           dict(num_warps=4, num_stages=1))
+    yield ("mla_cache_write[fp8_ds_mla]", mla_cache_write._mla_cache_write_kernel,
+           dict(kv_c_ptr="*bf16", kv_c_stride=i64, slot_ptr="*i64", cache_u8_ptr="*u8",
+                cache_f32_ptr="*fp32", block_size=i32, block_stride=i64, row_stride=i64),
+           dict(FP8=True, TILES=4, TILE=128, SCALE_OFFSET=512, ROW_BYTES=656),
+           dict(num_warps=2, num_stages=1))
+    block_n, warps, stages = indexer_logits_paged.PAGED_CONFIG
+    for next_n in (1, 4):
+        yield (f"indexer_logits_paged[N{next_n} H32 n{block_n}]",
+               indexer_logits_paged._indexer_logits_paged_kernel,
+               dict(q_ptr="*fp8e4nv", w_ptr="*fp32", kv_ptr="*fp8e4nv", kv_f32_ptr="*fp32",
+                    page_stride=i64, bt_ptr="*i32", bt_stride=i64, ctx_ptr="*i32",
+                    out_ptr="*fp32", out_stride=i64, num_req=i32),
+               dict(N=next_n, N_PAD=next_n, H=32, PAGE_POOLS=64, BLOCK_N=block_n, BLOCK_B=256,
+                    DOT_DTYPE=tl.float8e4nv),
+               dict(num_warps=warps, num_stages=stages))
+    for heads, (block_m, block_n, warps, stages) in sorted(
+            indexer_logits_ragged.RAGGED_CONFIGS.items()):
+        yield (f"indexer_logits_ragged[H{heads} m{block_m} n{block_n}]",
+               indexer_logits_ragged._indexer_logits_ragged_kernel,
+               dict(q_ptr="*fp8e4nv", w_ptr="*fp32", k_ptr="*fp8e4nv", k_scale_ptr="*fp32",
+                    starts_ptr="*i32", ends_ptr="*i32", out_ptr="*fp32", out_stride=i64,
+                    num_tokens=i32),
+               dict(H=heads, BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=tl.float8e4nv),
+               dict(num_warps=warps, num_stages=stages))
+    block, warps = kpool_topk.TOPK_CONFIG
+    yield ("kpool_topk[kpool16 select128]", kpool_topk._kpool_topk_kernel,
+           dict(logits_ptr="*fp32", logits_stride=i64, starts_ptr="*i32", seq_ptr="*i32",
+                out_ptr="*i32", out_stride=i64, out_width=i32),
+           dict(HAS_STARTS=True, KPOOL=16, SELECT=128, BLOCK=block, TAIL=16),
+           dict(num_warps=warps, num_stages=1))
+
+
+def compile_for_sm89(fn, types: dict, constexprs: dict, options: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {name: types.get(name, "constexpr") for name in names}
+    missing = [n for n in names if signature[n] == "constexpr" and n not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for constexpr {missing}")
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 89, 32), options=options)
+    ptx = kernel.asm["ptx"]
+    return {"shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx,
+            "local_loads": ptx.count("ld.local"), "num_warps": kernel.metadata.num_warps}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET to cross-compile", file=sys.stderr)
+        return 2
+    worst = 0
+    for name, fn, types, constexprs, options in shipped_configs():
+        info = compile_for_sm89(fn, types, constexprs, options)
+        worst = max(worst, info["shared"])
+        print(json.dumps({"kernel": name, **info}), flush=True)
+    return 0 if worst <= SM89_SHARED_LIMIT else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

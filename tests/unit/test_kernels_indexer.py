@@ -1,0 +1,105 @@
+"""Indexer Triton kernels (paged and ragged logits, kpool top-k with the tail) under
+TRITON_INTERPRET=1 against their torch references on vLLM's pool-cache layout. Outputs are
+poisoned first; inputs are fresh random tensors every run."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from glmctl.kernels.triton_env import (  # noqa: E402
+    import_interpreted,
+    run_in_fresh_interpreter_process,
+)
+
+_modules = import_interpreted(
+    "glmctl.kernels.indexer_logits_paged",
+    "glmctl.kernels.indexer_logits_ragged",
+    "glmctl.kernels.kpool_topk",
+)
+interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+paged, ragged, topk = _modules or (None, None, None)
+
+
+@pytest.mark.skipif(_modules is not None, reason="ran in this process")
+def test_in_fresh_process():
+    run_in_fresh_interpreter_process(__file__)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _pool_cache(num_pages, page_pools, pad_bytes=0):
+    backing = torch.zeros(num_pages, page_pools * 132 + pad_bytes, dtype=torch.uint8)
+    backing[:, : page_pools * 128] = (
+        torch.randn(num_pages, page_pools * 128).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
+    scales = torch.exp2(torch.randint(-7, 1, (num_pages, page_pools)).float())
+    backing[:, page_pools * 128 : page_pools * 132] = scales.view(torch.uint8).view(num_pages, -1)
+    return backing[:, : page_pools * 132].view(num_pages, page_pools, 132)
+
+
+def _compare_visible(got, want):
+    visible = torch.isfinite(want)
+    assert not torch.isnan(got[visible]).any()
+    assert torch.allclose(got[visible], want[visible], rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("next_n", [1, 4])
+def test_indexer_logits_paged_mtp_and_page_boundaries(next_n):
+    page_pools = 8
+    cache = _pool_cache(10, page_pools, pad_bytes=20)  # page stride > page size
+    num_req, heads = 3, 16
+    q = torch.randn(num_req, next_n, heads, 128).to(torch.float8_e4m3fn)
+    w = torch.randn(num_req * next_n, heads)
+    block_table = torch.stack([torch.randperm(10)[:5] for _ in range(num_req)]).int()
+    # Causal MTP tail: draft j sees one more pool-granular length at pool boundaries.
+    last = torch.tensor([page_pools, 1, 4 * page_pools + 3])  # exactly one page; one pool; 4+ pages
+    ctx = (last[:, None] - (next_n - 1) + torch.arange(next_n)[None, :]).clamp_min(0).int()
+    ctx[1] = 0  # a request with no complete pool yet
+    out = torch.full((num_req * next_n, 5 * page_pools), float("nan"))
+    paged.indexer_logits_paged(q, w, cache, block_table, ctx.contiguous(), out, num_programs=3)
+    want = paged.indexer_logits_paged_ref(q, w, cache, block_table, ctx)
+    _compare_visible(out, want)
+
+
+@interpreted
+def test_indexer_logits_ragged_prefill_rows():
+    num_tokens, heads, keys = 9, 32, 140
+    q = torch.randn(num_tokens, heads, 128).to(torch.float8_e4m3fn)
+    w = torch.randn(num_tokens, heads)
+    k = torch.randn(keys, 128).to(torch.float8_e4m3fn)
+    k_scale = torch.exp2(torch.randint(-7, 1, (keys,)).float())
+    # Two requests back to back: causal pool counts grow by one every kpool tokens.
+    starts = torch.tensor([0] * 4 + [70] * 5, dtype=torch.int32)
+    ends = starts + torch.tensor([0, 1, 1, 66, 3, 4, 30, 69, 70], dtype=torch.int32)
+    out = torch.full((num_tokens, keys), float("nan"))
+    ragged.indexer_logits_ragged(q, w, k, k_scale, starts, ends, out)
+    want = ragged.indexer_logits_ragged_ref(q, w, k, k_scale, starts, ends)
+    _compare_visible(out, want)
+
+
+@interpreted
+def test_kpool_topk_matches_reference_on_ties_short_rows_and_tail():
+    kpool, select = 4, 16
+    rows, width = 8, 1500
+    logits = torch.randn(rows, width)
+    logits[1] = torch.randint(0, 4, (width,)).float()  # heavy ties across the threshold
+    logits[2] = float("-inf")  # every visible pool scores -inf
+    logits[3] = torch.randn(width).to(torch.float8_e4m3fn).float()  # coarse values, many ties
+    logits[4, :] = -torch.rand(width)  # all negative
+    seq = torch.tensor([0, 1400 * kpool + 2, 100 * kpool + 3, 1300 * kpool, select * kpool,
+                        select * kpool + 1 + kpool, 5, 1], dtype=torch.int32)
+    starts = torch.tensor([0, 7, 0, 100, 3, 0, 1, 0], dtype=torch.int32)
+    out_width = select * kpool + kpool - 1 + 9
+    got = torch.full((rows, out_width), 12345, dtype=torch.int32)
+    topk.kpool_topk(logits, seq, got, kpool=kpool, select_pools=select, row_starts=starts)
+    want = torch.full_like(got, 777)
+    topk.kpool_topk_ref(logits, seq, want, kpool=kpool, select_pools=select, row_starts=starts)
+    assert torch.equal(got, want)
+    assert got[0].eq(-1).all()  # an empty (padding) row
+    assert got[6, select * kpool : select * kpool + 3].tolist() == [4, -1, -1]  # 1 pool + 1 tail

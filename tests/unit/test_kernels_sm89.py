@@ -1,0 +1,37 @@
+"""Every shipped kernel configuration fits Ada: cross-compiled for sm_89 on this (GPU-less)
+machine with ``triton.compile``, it needs <= 99 KB of shared memory per block, uses no Hopper
+``wgmma`` and spills no registers. Runs in a fresh process (the unit lane's other kernel tests
+load the kernels into the Triton interpreter, which cannot compile)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SM89_SHARED_LIMIT = 99 * 1024
+
+
+@pytest.mark.slow
+def test_every_shipped_config_fits_sm89():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run(
+        [sys.executable, "-m", "glmctl.kernels.sm89_check"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert rows, result.stderr[-3000:]
+    names = {row["kernel"].split("[")[0] for row in rows}
+    assert names >= {"sparse_mla", "sparse_mla_combine", "mla_cache_write",
+                     "indexer_logits_paged", "indexer_logits_ragged", "kpool_topk"}
+    for row in rows:
+        assert 0 <= row["shared"] <= SM89_SHARED_LIMIT, row
+        assert not row["wgmma"], row
+        assert row["local_loads"] == 0, row
+    assert result.returncode == 0, result.stderr[-3000:]
