@@ -1,0 +1,218 @@
+"""What the planner needs to know about a GLM-5.3-Flash-architecture model (`ModelSpec`).
+
+A model comes from a checkpoint directory, a `config.json`, or a built-in preset (`presets.py`). Both
+config schemas vLLM 0.30 and transformers 5.24 read are accepted: the flat `glm5_next` /
+`glm5_next_text` form and the multimodal form with a nested `text_config`. A field the file leaves
+out takes the transformers default (the `glm-5.3-flash` preset) and is listed in `defaulted`, so a
+plan never silently rests on a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from glmctl.errors import ConfigError
+from glmctl.plan.presets import GLM53_FLASH, PRESET_CHECKPOINT_QUANT, PRESETS
+
+SUPPORTED_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+INDEXED = "indexed_attention"
+LINEAR = "linear_attention"
+# Spellings of an MLA (DSA) layer in the schemas we read, normalised to INDEXED.
+_INDEXED_ALIASES = {INDEXED, "full_attention", "deepseek_sparse_attention", "attention"}
+
+
+class ModelSpec(BaseModel):
+    """Architecture numbers of one GLM-5.3-Flash-family model (text model plus its MTP layers)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    source: str
+    model_type: str
+    dtype: str = "bfloat16"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    layer_types: list[str]
+    mlp_layer_types: list[str]
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_topk: int | None
+    index_head_dim: int
+    index_n_heads: int
+    index_kpool: int
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    hc_mult: int  # mHC residual streams; 0 when mHC is off
+    num_nextn_predict_layers: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int
+    checkpoint_quant: str = "bf16"  # how the checkpoint stores the quantizable groups
+    defaulted: list[str] = []
+
+    @property
+    def mla_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == INDEXED]
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def dense_mlp_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.mlp_layer_types) if t != "sparse"]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.mlp_layer_types) if t == "sparse"]
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_topk is not None
+
+    @property
+    def mla_head_size(self) -> int:
+        """The latent stored per token by an MLA layer: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def load_model_spec(source: str | Path) -> ModelSpec:
+    """A preset name, a checkpoint directory, or a config.json path -> ModelSpec."""
+    text = str(source)
+    if text in PRESETS:
+        return _from_config(PRESETS[text], name=text, source=f"preset {text} (transformers 5.24 defaults)",
+                            checkpoint_quant=PRESET_CHECKPOINT_QUANT[text])
+    path = Path(text).expanduser()
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ConfigError(
+            f"no model at '{text}': not a preset, a checkpoint directory or a config.json",
+            hint=f"use a checkpoint directory, a config.json, or one of: {', '.join(PRESETS)}",
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {config_path}: {exc}") from exc
+    name = config_path.parent.name if config_path.name == "config.json" else config_path.stem
+    return _from_config(config, name=name, source=str(config_path),
+                        checkpoint_quant=_checkpoint_quant(config))
+
+
+def _checkpoint_quant(config: dict) -> str:
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return "bf16"
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "fp8":
+        return "fp8"
+    if method == "exl3":
+        return f"exl3:{quant.get('bits', 4)}"
+    raise ConfigError(
+        f"checkpoint quantization '{method}' is not one glmctl plans for (bf16, fp8, exl3)",
+        hint="pass the weight formats explicitly (--experts, --dense, --kda, --mla, --embeddings)",
+    )
+
+
+def _from_config(raw: dict, *, name: str, source: str, checkpoint_quant: str) -> ModelSpec:
+    top_type = raw.get("model_type")
+    config = {**raw, **(raw.get("text_config") or {})} if isinstance(raw.get("text_config"), dict) else dict(raw)
+    model_type = top_type or config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: model_type '{model_type}' is not GLM-5.3-Flash's (glm5_next)",
+            hint="glmctl plans GLM-5.3-Flash-architecture models only",
+        )
+    _fold_aliases(config)
+    defaulted: list[str] = []
+
+    def get(key: str):
+        if config.get(key) is None:
+            defaulted.append(key)
+            return GLM53_FLASH[key]
+        return config[key]
+
+    layers = int(get("num_hidden_layers"))
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        defaulted.append("layer_types")
+        layer_types = [INDEXED if i % 4 == 3 else LINEAR for i in range(layers)]  # transformers' rule
+    layer_types = [INDEXED if t in _INDEXED_ALIASES else t for t in layer_types]
+    mlp_types = config.get("mlp_layer_types")
+    if mlp_types is None:
+        dense = config.get("first_k_dense_replace")
+        if dense is None:
+            defaulted.append("mlp_layer_types")
+            dense = 3  # transformers' rule
+        mlp_types = ["dense"] * min(dense, layers) + ["sparse"] * max(layers - dense, 0)
+    if len(layer_types) != layers or len(mlp_types) != layers:
+        raise ConfigError(f"{source}: layer_types/mlp_layer_types must list {layers} layers")
+    unknown = sorted(set(layer_types) - {INDEXED, LINEAR})
+    if unknown:
+        raise ConfigError(f"{source}: unknown layer types {unknown}")
+
+    mhc = config.get("mhc", True)
+    has_indexer = "index_topk" not in config or config["index_topk"] is not None
+    spec = ModelSpec(
+        name=name,
+        source=source,
+        model_type=model_type,
+        dtype=str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+        vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"),
+        intermediate_size=get("intermediate_size"),
+        moe_intermediate_size=get("moe_intermediate_size"),
+        num_hidden_layers=layers,
+        layer_types=layer_types,
+        mlp_layer_types=mlp_types,
+        num_attention_heads=get("num_attention_heads"),
+        q_lora_rank=get("q_lora_rank"),
+        kv_lora_rank=get("kv_lora_rank"),
+        qk_nope_head_dim=get("qk_nope_head_dim"),
+        qk_rope_head_dim=config.get("qk_rope_head_dim") or 0,
+        v_head_dim=get("v_head_dim"),
+        index_topk=get("index_topk") if has_indexer else None,
+        index_head_dim=get("index_head_dim"),
+        index_n_heads=get("index_n_heads"),
+        index_kpool=get("index_kpool"),
+        linear_num_heads=get("linear_num_heads"),
+        linear_head_dim=get("linear_head_dim"),
+        linear_conv_kernel_dim=get("linear_conv_kernel_dim"),
+        n_routed_experts=get("n_routed_experts"),
+        n_shared_experts=config.get("n_shared_experts") or 0,
+        num_experts_per_tok=get("num_experts_per_tok"),
+        hc_mult=int(get("hc_mult")) if mhc else 0,
+        num_nextn_predict_layers=int(get("num_nextn_predict_layers")),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=get("max_position_embeddings"),
+        checkpoint_quant=checkpoint_quant,
+        defaulted=sorted(set(defaulted)),
+    )
+    if spec.has_indexer and spec.index_kpool > 1 and spec.index_topk % spec.index_kpool:
+        raise ConfigError(f"{source}: index_topk ({spec.index_topk}) must be a multiple of index_kpool")
+    return spec
+
+
+def _fold_aliases(config: dict) -> None:
+    """Map the alternative field names of the two schemas onto transformers' names."""
+    for alias, key in (("num_experts_per_token", "num_experts_per_tok"),
+                       ("mhc_num_residual_streams", "hc_mult")):
+        if config.get(key) is None and config.get(alias) is not None:
+            config[key] = config[alias]
+    linear = config.get("linear_attn_config") or {}
+    for alias, key in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
+                       ("short_conv_kernel_size", "linear_conv_kernel_dim")):
+        if config.get(key) is None and linear.get(alias) is not None:
+            config[key] = linear[alias]
