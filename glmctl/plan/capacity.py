@@ -190,11 +190,11 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
     pool = max(available, 0)
     memory += [
         MemoryLine(section="kv", key="kda_state", bytes=state, basis="result",
-                   label=f"KDA recurrent state, {slots_in_use} slots x {per_slot_gib(layout):.3f} GiB"),
+                   label=f"KDA state, {slots_in_use} slots x {per_slot_gib(layout):.3f} GiB"),
         MemoryLine(section="kv", key="indexer_tail", bytes=tail, basis="result",
-                   label=f"indexer tail caches, {slots_in_use} slots"),
+                   label=f"indexer tails, {slots_in_use} slots"),
         MemoryLine(section="kv", key="kv_tokens", bytes=pool - state - tail, basis="result",
-                   label="MLA + indexer KV (token blocks)"),
+                   label="token KV (MLA + indexer)"),
     ]
     if model.defaulted:
         notes.append(f"{model.source} leaves out {', '.join(model.defaulted)}: transformers' defaults were used")

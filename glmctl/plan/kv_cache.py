@@ -191,9 +191,11 @@ def _layout_error(model: ModelSpec, block: int, mla_page: int, idx_page: int, ta
         return (f"the mamba state page ({kda_page} bytes) does not fit the MLA page ({mla_page} bytes); "
                 "increase tensor parallelism or use a wider KV cache dtype")
     if tail_page > idx_page:
+        align = model.index_kpool * PAGED_MQA_MIN_PAGE
+        fix = align * cdiv(cdiv(tail_page, indexer_state_bytes(model)) * model.index_kpool, align)
         return (f"the indexer tail page ({tail_page} bytes) is larger than the indexer page ({idx_page} "
-                f"bytes) at block size {block}: vLLM 0.30 cannot pad it (kv_cache_utils.py); use a larger "
-                "--block-size")
+                f"bytes) at block size {block}, which vLLM 0.30 cannot pad (kv_cache_utils.py): "
+                f"use --block-size {fix} or an fp8 KV cache")
     return None
 
 
