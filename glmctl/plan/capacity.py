@@ -17,7 +17,7 @@ from glmctl.plan.kv_cache import KvCacheLayout, kv_cache_layout, kv_capacity
 from glmctl.plan.model import ModelSpec
 from glmctl.plan.node import NodeSpec
 from glmctl.plan.reserve import default_capture_sizes, reserves
-from glmctl.plan.setup import ServingSetup
+from glmctl.plan.setup import WEIGHT_GROUPS, ServingSetup
 from glmctl.plan.weights import dflash_drafter_bytes, mtp_drafter_bytes, weight_groups
 
 GIB = 1 << 30
@@ -207,7 +207,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         model_defaulted_fields=model.defaulted,
         node=node,
         setup=ResolvedSetup(
-            tensor_parallel_size=tp, weights={g: str(getattr(setup.weights, g)) for g in setup.weights.model_fields},
+            tensor_parallel_size=tp, weights={g: str(getattr(setup.weights, g)) for g in WEIGHT_GROUPS},
             kv_cache_dtype=kv_dtype, speculative=str(spec), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=batched, gpu_memory_utilization=setup.gpu_memory_utilization,
             enable_prefix_caching=prefix_caching, cudagraph_capture_sizes=graphs, block_size=layout.block_size,

@@ -93,7 +93,7 @@ def render_plan(plan: CapacityPlan, console: Console) -> None:
 def render_report(rep: ReportReproduction, console: Console) -> None:
     table = Table(title="KV pools of the report's 8x L40 node: planner predictions vs the report's measurements",
                   title_justify="left", caption=f"GiB per GPU; source: {rep.source}", caption_justify="left")
-    table.add_column("step", no_wrap=True)
+    table.add_column("#", no_wrap=True)
     table.add_column("change", min_width=16)
     for name in ("predicted\ntokens", "reported\ntokens", "resid.", "sessions\npred/rep",
                  "experts\nGiB"):

@@ -1,0 +1,115 @@
+"""The planner's KV layout and capacity against vLLM 0.30's own code, for the tiny checkpoint and for
+the full GLM-5.3-Flash config.
+
+`kv_oracle.py` (run in a subprocess) builds vLLM's per-layer KV cache specs with vLLM's methods
+(`MLAAttention.get_kv_cache_spec`, the real `Glm5NextIndexerCache` / `Glm5NextTailCache` modules,
+`MambaBase.get_kv_cache_spec` with `Glm5NextLinearAttention`'s state shapes), lets vLLM's hybrid
+block-size alignment pick the block size, and runs vLLM's grouping and capacity code
+(`get_kv_cache_configs`, `get_kv_cache_capacity`) for a given amount of KV memory. Compared for every
+case: block size, the page of every layer kind (MLA, indexer K cache, indexer tail, KDA state), the
+number of KDA groups, the number of blocks, the KV tokens vLLM would log, and whether vLLM refuses
+the layout or the memory.
+
+What cannot be compared on CPU, and why: the memory vLLM finds available for KV
+(`Worker.determine_available_memory`) is measured on a GPU with the weights loaded, and the model
+cannot be constructed on CPU (vLLM's CPU platform has no sparse-MLA backend). So weights, reserves
+and the budget are not compared here; the per-layer pages and everything from "available bytes" to
+"KV tokens" is, for the full config as well as the tiny one. The oracle's stand-ins (model config,
+layer attribute holders) are listed in its docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from glmctl.plan import kv_cache_layout, kv_capacity, load_model_spec
+from glmctl.plan.presets import GLM53_FLASH
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.vllm
+
+FULL_KV_BYTES = 3_463_600_000  # the report's first pool, roughly
+TINY_KV_BYTES = 1 << 30
+
+
+def _cases(full: str, tiny: str) -> list[dict]:
+    base = dict(kernel_block_size=64, prefix_caching=True, num_spec=0)
+    cases = [
+        dict(base, config=full, tp=8, kv_cache_dtype=dtype, num_spec=spec, prefix_caching=prefix,
+             max_model_len=262_144, available_bytes=FULL_KV_BYTES)
+        for dtype in ("auto", "fp8", "fp8_ds_mla")
+        for spec, prefix in ((0, True), (3, True), (0, False))
+    ]
+    cases += [
+        dict(base, config=full, tp=4, kv_cache_dtype="fp8", num_spec=3, max_model_len=262_144,
+             available_bytes=FULL_KV_BYTES),
+        # one request of 262,144 tokens does not fit: vLLM refuses to start
+        dict(base, config=full, tp=4, kv_cache_dtype="auto", num_spec=3, max_model_len=262_144,
+             available_bytes=FULL_KV_BYTES),
+        # the tiny checkpoint: bf16 at block 512 is a layout vLLM 0.30 rejects; 1024 works
+        dict(base, config=tiny, tp=1, kv_cache_dtype="auto", prefix_caching=False, max_model_len=8192,
+             available_bytes=TINY_KV_BYTES),
+        dict(base, config=tiny, tp=1, kv_cache_dtype="auto", prefix_caching=False, max_model_len=8192,
+             available_bytes=TINY_KV_BYTES, user_block_size=1024),
+        dict(base, config=tiny, tp=1, kv_cache_dtype="fp8", num_spec=3, max_model_len=8192,
+             available_bytes=TINY_KV_BYTES),
+        dict(base, config=tiny, tp=2, kv_cache_dtype="fp8_ds_mla", max_model_len=8192,
+             available_bytes=TINY_KV_BYTES, user_block_size=1024),
+    ]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory, tiny_checkpoint):
+    full = tmp_path_factory.mktemp("glm53") / "config.json"
+    full.write_text(json.dumps(GLM53_FLASH))
+    cases = _cases(str(full), str(tiny_checkpoint.path / "config.json"))
+    proc = subprocess.run([sys.executable, "tests/vllm/kv_oracle.py", json.dumps(cases)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
+    assert lines, proc.stderr[-4000:]
+    return list(zip(cases, json.loads(lines[-1][2:]), strict=True))
+
+
+def _planner(case: dict):
+    model = load_model_spec(case["config"])
+    layout = kv_cache_layout(
+        model, tp=case["tp"], kv_cache_dtype=case["kv_cache_dtype"], num_spec=case["num_spec"],
+        mtp_layers=model.num_nextn_predict_layers if case["num_spec"] else 0,
+        prefix_caching=case["prefix_caching"], kernel_block_size=case["kernel_block_size"],
+        user_block_size=case.get("user_block_size"),
+    )
+    return layout, kv_capacity(layout, case["available_bytes"], case["max_model_len"])
+
+
+def test_layouts_and_capacity_equal_vllms(oracle):
+    checked = refused = 0
+    for case, vllm in oracle:
+        layout, capacity = _planner(case)
+        label = {k: case[k] for k in ("config", "tp", "kv_cache_dtype", "num_spec", "prefix_caching")}
+        pages = {kind: pairs[0] for kind, pairs in vllm["pages"].items()}
+        assert all(len(pairs) == 1 for pairs in vllm["pages"].values()), (label, vllm["pages"])
+        assert layout.block_size == vllm["block_size"], label
+        assert layout.mla_page_bytes == pages["mla"][0], label
+        assert layout.indexer_page_bytes == pages["k_cache"][0], label
+        assert layout.tail_page_bytes == pages["tail_cache"][1], label  # unpadded
+        # real KDA state; vLLM pads the layer's page, and the grouping pads it to the MLA page
+        assert layout.kda_state_bytes == pages["kda"][1] <= pages["kda"][0] <= layout.mla_page_bytes, label
+        assert vllm["layers"]["mla"] == layout.num_mla_layers and vllm["layers"]["kda"] == layout.num_kda_layers
+        if "error" in vllm:
+            refused += 1
+            fits = layout.error is None and case["available_bytes"] >= capacity.needed_bytes
+            assert not fits, (label, vllm["error"])
+            continue
+        assert layout.error is None, (label, layout.error)
+        mamba_groups = sum(1 for kind, _ in vllm["groups"] if kind == "MambaSpec")
+        assert layout.num_kda_groups == mamba_groups, label
+        assert capacity.num_blocks == vllm["num_blocks"], label
+        assert capacity.kv_tokens == vllm["kv_tokens"], label
+        assert capacity.max_concurrency == pytest.approx(vllm["max_concurrency"]), label
+        checked += 1
+    assert checked >= 10 and refused == 2  # the tiny bf16 layout and the 1-request-does-not-fit case
