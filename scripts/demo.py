@@ -19,9 +19,14 @@ GLMCTL = [sys.executable, "-m", "glmctl"]
 
 def steps(tiny: Path) -> list[tuple[str, list[str]]]:
     return [
-        ("KV plan for the tiny checkpoint on this CPU", ["plan", "--model", str(tiny), "--cpu"]),
+        # block 1024: vLLM 0.30 cannot lay out the tiny checkpoint's bf16 KV at its default 512
+        ("KV plan for the tiny checkpoint on this CPU",
+         ["plan", "--model", str(tiny), "--cpu", "--block-size", "1024"]),
         ("KV plan for GLM-5.3-Flash on the reference node (8x L40, commercial setup)",
-         ["plan", "--model", "glm-5.3-flash", "--gpus", "8xL40", "--tp", "8"]),
+         ["plan", "--model", "glm-5.3-flash", "--gpus", "8xL40", "--tp", "8", "--experts", "exl3:4",
+          "--kda", "fp8", "--kv-cache-dtype", "fp8", "--speculative", "mtp:3", "--max-num-seqs", "8"]),
+        ("The report's five KV pools on 8x L40: planner predictions vs measurements",
+         ["plan", "--reproduce-report"]),
     ]
 
 

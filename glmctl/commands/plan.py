@@ -115,7 +115,12 @@ def plan(
         return
 
     from glmctl.plan import cpu_node, gpu_node, load_model_spec, plan_capacity
-    from glmctl.plan.setup import ServingSetup, WeightFormats, parse_capture_sizes, parse_speculative
+    from glmctl.plan.setup import (
+        ServingSetup,
+        WeightFormats,
+        parse_capture_sizes,
+        parse_speculative,
+    )
 
     spec = load_model_spec(model)
     node = cpu_node(kv_cache_gib) if cpu else gpu_node(gpus, num_gpus, gpu_memory_gib, kv_cache_gib)

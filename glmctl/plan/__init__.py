@@ -18,7 +18,13 @@ from glmctl.plan.capacity import CapacityPlan, plan_capacity, sessions_that_fit
 from glmctl.plan.kv_cache import KvCacheLayout, kv_cache_layout, kv_capacity
 from glmctl.plan.model import ModelSpec, load_model_spec
 from glmctl.plan.node import GPU_MODELS, NodeConstants, NodeSpec, cpu_node, gpu_node
-from glmctl.plan.setup import ServingSetup, Speculative, WeightFormat, WeightFormats, parse_speculative
+from glmctl.plan.setup import (
+    ServingSetup,
+    Speculative,
+    WeightFormat,
+    WeightFormats,
+    parse_speculative,
+)
 
 __all__ = [
     "GPU_MODELS",

@@ -71,7 +71,13 @@ def _model_config(cfg: dict, max_model_len: int):
 def compute(request: dict) -> dict:
     _bare_glm5next_package()
     import torch
-    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (
+        CacheConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.models import ModelRegistry
