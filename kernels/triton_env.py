@@ -47,12 +47,17 @@ def import_interpreted(*module_names: str) -> list | None:
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        return [importlib.import_module(name) for name in module_names]
+        modules = [importlib.import_module(name) for name in module_names]
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = saved
+    # A module imported earlier without the interpreter keeps compiled-mode kernels.
+    for module in modules:
+        if any(type(obj).__name__ == "JITFunction" for obj in vars(module).values()):
+            return None
+    return modules
 
 
 def run_in_fresh_interpreter_process(test_file: str, timeout: float = 600.0) -> None:
