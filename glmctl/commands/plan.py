@@ -23,8 +23,8 @@ def _fmt_opt(flag: str, what: str, exl3: bool = False):
 def plan(
     model: ModelOpt = "glm-5.3-flash",
     gpus: Annotated[
-        str | None, typer.Option("--gpus", help="GPUs as COUNTxMODEL, e.g. 8xL40 (see the table in docs).",
-                                 rich_help_panel=_NODE)
+        str | None, typer.Option("--gpus", help="GPUs as COUNTxMODEL, e.g. 8xL40. Models: L40, L40S, RTX4090, L4, "
+                                 "A10, A6000, A100-40GB, A100-80GB, H100.", rich_help_panel=_NODE)
     ] = None,
     num_gpus: Annotated[int | None, typer.Option("--num-gpus", help="GPU count (overrides --gpus).",
                                                  rich_help_panel=_NODE)] = None,
@@ -159,6 +159,6 @@ def _kv_dtype(text: str) -> str:
 plan.epilog = examples(
     "glmctl plan --gpus 8xL40",
     "glmctl plan --gpus 8xL40 --kv-cache-dtype fp8 --speculative mtp:3 --kda fp8 --experts exl3:4 --max-num-seqs 8",
-    "glmctl plan --model out/tiny-glm --cpu --json",
+    "glmctl plan --model out/tiny-glm --cpu --block-size 1024 --json",
     "glmctl plan --reproduce-report",
 )

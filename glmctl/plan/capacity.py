@@ -196,6 +196,9 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         MemoryLine(section="kv", key="kv_tokens", bytes=pool - state - tail, basis="result",
                    label="token KV (MLA + indexer)"),
     ]
+    if model.has_vision:
+        notes.append("the checkpoint has a vision tower; its weights and encoder cache are not counted "
+                     "(the plan is for text serving)")
     if model.defaulted:
         notes.append(f"{model.source} leaves out {', '.join(model.defaulted)}: transformers' defaults were used")
     if kv_dtype == "fp8_ds_mla":

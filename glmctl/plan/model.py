@@ -61,6 +61,7 @@ class ModelSpec(BaseModel):
     tie_word_embeddings: bool = False
     max_position_embeddings: int
     checkpoint_quant: str = "bf16"  # how the checkpoint stores the quantizable groups
+    has_vision: bool = False  # a vision tower in the checkpoint (not planned: text serving only)
     defaulted: list[str] = []
 
     @property
@@ -198,6 +199,7 @@ def _from_config(raw: dict, *, name: str, source: str, checkpoint_quant: str) ->
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=get("max_position_embeddings"),
         checkpoint_quant=checkpoint_quant,
+        has_vision=isinstance(raw.get("vision_config"), dict),
         defaulted=sorted(set(defaulted)),
     )
     if spec.has_indexer and spec.index_kpool > 1 and spec.index_topk % spec.index_kpool:

@@ -7,8 +7,11 @@ changed; everything else (context 256k, 8 slots, TP 8) is the same for all five.
 
 What the report does not state, and what the reproduction assumes instead (the same for all steps):
 - `--gpu-memory-utilization`: fitted, once, to all five rows at once (`fit_utilization`); it is
-  the only fitted number. vLLM's default of 0.92 cannot be what the report ran: FP8 weights alone
-  leave no room for its first 294,677-token pool.
+  the only fitted number. vLLM's default of 0.92 cannot be what the report ran: with the FP8
+  weights and the reserves vLLM 0.30 holds at 256k context there is no room for its first
+  294,677-token pool. The small pools move ~2 % per 0.001 of utilization (printed).
+- Steps 1-3 (CUDA graphs, host-staged collectives) and 6 (TP experts) change nothing the planner
+  models except the graphs; their device-side buffers are inside the node's non-torch constant.
 - max_model_len 262,144, max_num_seqs 8 (the report's eight slots), vLLM's default of 2,048 batched
   tokens for a 44 GiB GPU, prefix caching on (vLLM's default), and CUDA graphs captured up to
   slots x (1 + speculative tokens) tokens from step 1 on (step 10 "extends CUDA graph capture to 48
@@ -157,6 +160,7 @@ def reproduce_report(utilization: float = REPORT_GPU_MEMORY_UTILIZATION) -> Repo
             expert_weights_gib=round(_expert_bytes(model, s.experts, s.speculative != "none") / GIB, 2),
             kv_pool_gib=round(plan.kv_pool_bytes / GIB, 3),
         ))
+    nearby = {u: _residuals(model, node, report_steps(bits), u) for u in (utilization - 0.002, utilization + 0.002)}
     nominal = report_steps(4.0)[-1]
     nominal_plan = plan_step(model, node, nominal, utilization)
     sensitivity = [
@@ -166,6 +170,8 @@ def reproduce_report(utilization: float = REPORT_GPU_MEMORY_UTILIZATION) -> Repo
         "FP8 experts per GPU, planner: "
         f"{_expert_bytes(model, 'fp8', True) / GIB:.1f} GiB = {_expert_bytes(model, 'fp8', True) / 1e9:.1f} GB "
         "(report: 39 GiB, which matches GB)",
+        *(f"at gpu_memory_utilization {u:.4f}: residuals " + ", ".join(f"{r:+.1f}%" for r in res)
+          for u, res in nearby.items()),
     ]
     assumptions = [
         f"gpu_memory_utilization {utilization} (fitted to the five rows; the report does not state it)",
