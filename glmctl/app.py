@@ -12,7 +12,8 @@ from typing import Annotated
 import typer
 
 from glmctl import __version__
-from glmctl.commands import doctor, fetch, plan, testing
+from glmctl.commands import bench, doctor, fetch, plan, testing
+from glmctl.commands import eval as eval_commands
 
 app = typer.Typer(
     name="glmctl",
@@ -28,9 +29,11 @@ COMMANDS = [
     ("plan", plan.plan),
     ("fetch", fetch.fetch),
     ("doctor", doctor.doctor),
+    ("bench", bench.bench),
 ]
 GROUPS = [
     ("testing", testing.app),
+    ("eval", eval_commands.app),
 ]
 
 for _name, _func in COMMANDS:

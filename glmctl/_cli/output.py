@@ -83,12 +83,17 @@ class Output:
                 self.out.print_json(json.dumps(to_jsonable(data), allow_nan=False))
 
     @contextlib.contextmanager
-    def progress(self, transient: bool = True) -> Iterator[Any]:
-        """A Rich progress bar in human mode on a terminal; a do-nothing stand-in otherwise."""
+    def progress(self, transient: bool = True, unit: str = "bytes") -> Iterator[Any]:
+        """A Rich progress bar in human mode on a terminal; a do-nothing stand-in otherwise.
+
+        `unit="bytes"` shows sizes and transfer speed; any other unit ("tokens", "cells") shows
+        "done/total unit".
+        """
         if self.human and self.err.is_terminal:
             from rich.progress import (
                 BarColumn,
                 DownloadColumn,
+                MofNCompleteColumn,
                 Progress,
                 TextColumn,
                 TimeElapsedColumn,
@@ -96,11 +101,12 @@ class Output:
                 TransferSpeedColumn,
             )
 
+            amount = ([DownloadColumn(), TransferSpeedColumn()] if unit == "bytes"
+                      else [MofNCompleteColumn(), TextColumn(unit)])
             columns = [
                 TextColumn("{task.description}"),
                 BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
+                *amount,
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
             ]

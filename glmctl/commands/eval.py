@@ -1,0 +1,231 @@
+"""`glmctl eval perplexity|needle`: quality checks against a live OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from glmctl._cli.options import JsonOpt, ProfileOpt, QuietOpt, UrlOpt, examples
+
+app = typer.Typer(help="Quality checks against a live server: perplexity and needle in a haystack.",
+                  no_args_is_help=True)
+
+ServedModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Served model name to check (default: the only one served).")
+]
+TokenizerOpt = Annotated[
+    Path | None,
+    typer.Option("--tokenizer", help="Use the HF tokenizer in this checkpoint directory instead of the "
+                                     "server's /tokenize (for servers without it)."),
+]
+BaselineOpt = Annotated[
+    Path | None, typer.Option("--baseline", help="A result file of an earlier run to compare against.")
+]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for one request.")]
+
+
+def _template_kwargs(raw: str | None) -> dict | None:
+    from glmctl.errors import UsageError
+
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--template-kwargs is not JSON: {exc.msg}", hint="e.g. '{\"enable_thinking\": false}'") from exc
+    if not isinstance(value, dict):
+        raise UsageError("--template-kwargs must be a JSON object")
+    return value
+
+
+def perplexity(
+    paths: Annotated[list[Path] | None, typer.Argument(
+        help="Text files or directories to score (default: a fixed slice of Python's stdlib source).")] = None,
+    url: UrlOpt = None,
+    profile: ProfileOpt = None,
+    model: ServedModelOpt = None,
+    tokenizer_dir: TokenizerOpt = None,
+    window: Annotated[int | None, typer.Option(help="Text tokens per request (default 4,096, within max_model_len).")] = None,
+    stride: Annotated[int | None, typer.Option(help="New tokens scored per window (default: half the window).")] = None,
+    bos: Annotated[str, typer.Option(help="auto: start every window with the tokenizer's own special prefix "
+                                          "(BOS); none: start with text.")] = "auto",
+    max_tokens: Annotated[int, typer.Option(help="Score the text's first N tokens.")] = 30_000,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result JSON here (a later --baseline).")] = None,
+    baseline: BaselineOpt = None,
+    timeout: TimeoutOpt = 600.0,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Token perplexity and bits per byte from the server's prompt log-probabilities.
+
+    Strided sliding windows (each window scores only its new tokens); the method, the tokenizer and the text's hash are in the result. With --baseline: the paired relative change and its 95% CI.
+    """
+    from glmctl._cli.output import Output
+    from glmctl.errors import UsageError
+    from glmctl.evals import corpus
+    from glmctl.evals import perplexity as ppl
+    from glmctl.evals.results import load_result, save_result
+    from glmctl.evals.target import open_server
+    from glmctl.evals.tokenizer import open_tokenizer
+
+    output = Output.from_flags(json_, quiet)
+    if bos not in ("auto", "none"):
+        raise UsageError(f"--bos must be auto or none, not {bos!r}")
+    base = load_result(baseline, ppl.PerplexityResult, "perplexity") if baseline else None
+    source = corpus.load_text(paths)
+    with open_server(url, profile, model=model, timeout=timeout, note=output.note) as server, \
+            output.progress(unit="tokens") as bar:
+        tokenizer = open_tokenizer(server, tokenizer_dir)
+        task = bar.add_task("scoring", total=None)
+        result = ppl.measure(server, tokenizer, source, window=window, stride=stride, bos=bos,  # type: ignore[arg-type]
+                             max_tokens=max_tokens, on_start=lambda n: bar.update(task, total=n),
+                             on_window=lambda n: bar.advance(task, n))
+    if base is not None:
+        result.comparison = ppl.compare(result, base, str(baseline))
+    if out is not None:
+        save_result(out, result)
+    output.result(result.model_dump(exclude={"logprobs"}) | {"logprobs_saved_to": str(out) if out else None},
+                  lambda console: _render_perplexity(console, result, out))
+
+
+def _render_perplexity(console, r, out: Path | None) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]Perplexity[/bold] of {r.server.model} at {r.server.url}")
+    console.print(f"  text:      {r.text.tokens:,} tokens of {r.text.origin}"
+                  f"{' (Python ' + r.text.python_version + ')' if r.text.python_version else ''}, "
+                  f"{len(r.text.files)} file(s) from {r.text.files[0]}; sha256 {r.text.sha256[:12]}")
+    console.print(f"  tokenizer: {r.tokenizer} (no special tokens added to the text)")
+    console.print(f"  windows:   {r.windowing.describe()}")
+    table = Table(show_header=True, header_style="bold")
+    for col in ("token perplexity", "± stderr", "bits per byte", "tokens scored", "bytes scored"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{r.perplexity:.4f}", f"{r.perplexity_stderr:.4f}", f"{r.bits_per_byte:.4f}",
+                  f"{r.tokens_scored:,}", f"{r.bytes_scored:,}")
+    console.print(table)
+    console.print(f"  [dim]stderr: {r.stderr_method}[/dim]")
+    if r.comparison is not None:
+        console.print(f"  [bold]vs baseline[/bold] {r.comparison.baseline_file}: {r.comparison.describe()}")
+        console.print(f"  [dim]{r.comparison.method}[/dim]")
+    if out is not None:
+        console.print(f"  result: {out}")
+
+
+perplexity.epilog = examples(
+    "glmctl eval perplexity --url http://127.0.0.1:8000 --out ppl-bf16.json",
+    "glmctl eval perplexity --url http://127.0.0.1:8000 --baseline ppl-bf16.json",
+    "glmctl eval perplexity src/ --window 8192 --stride 4096 --url http://127.0.0.1:8000",
+)
+
+
+def needle(
+    url: UrlOpt = None,
+    profile: ProfileOpt = None,
+    model: ServedModelOpt = None,
+    tokenizer_dir: TokenizerOpt = None,
+    lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens (k = 1,000).")] = "32k,128k,250k",
+    depths: Annotated[str, typer.Option(help="Needle depths, percent of the haystack.")] = "10,50,90",
+    haystack: Annotated[list[Path] | None, typer.Option(
+        help="Haystack source files or directories (default: Python's stdlib slice); repeatable.")] = None,
+    kind: Annotated[str, typer.Option(help="Needle value: number (7 digits) or uuid.")] = "number",
+    distractors: Annotated[int, typer.Option(help="Other names with other values in the haystack.")] = 3,
+    api: Annotated[str, typer.Option(help="chat: the server applies the model's template; completion: the "
+                                          "template is rendered here and the answer prefix is given.")] = "chat",
+    template_kwargs: Annotated[str | None, typer.Option(
+        help="JSON passed to the chat template, e.g. '{\"enable_thinking\": false}'.")] = None,
+    max_answer_tokens: Annotated[int, typer.Option(help="Tokens the model may answer with.")] = 48,
+    seed: Annotated[int, typer.Option(help="Seed of the needles (per cell: seed, length, depth).")] = 0,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Results JSONL (resumed if it exists).")] = Path("needle.jsonl"),
+    png: Annotated[Path | None, typer.Option(help="Heatmap PNG (default: next to --out; needs matplotlib).")] = None,
+    restart: Annotated[bool, typer.Option(help="Start --out over instead of resuming it.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Plan every cell's prompt and show the layout; ask nothing.")] = False,
+    baseline: BaselineOpt = None,
+    timeout: TimeoutOpt = 1800.0,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Needle in a haystack over a grid of prompt lengths x depths, scored by exact match.
+
+    Generated needles (a random name keyed to a random number or UUID) with distractors, placed at a line boundary at the requested token depth, measured on the final prompt. Every JSONL line holds the recipe that rebuilds its prompt exactly; an interrupted run resumes.
+    """
+    from glmctl._cli.output import Output
+    from glmctl.errors import UsageError
+    from glmctl.evals import corpus, needle_run
+    from glmctl.evals import needle as nd
+    from glmctl.evals.target import open_server
+    from glmctl.evals.tokenizer import open_tokenizer
+
+    output = Output.from_flags(json_, quiet)
+    if kind not in ("number", "uuid"):
+        raise UsageError(f"--kind must be number or uuid, not {kind!r}")
+    if api not in ("chat", "completion"):
+        raise UsageError(f"--api must be chat or completion, not {api!r}")
+    grid_lengths, grid_depths = nd.parse_lengths(lengths), nd.parse_depths(depths)
+    kwargs = _template_kwargs(template_kwargs)
+    source = corpus.load_text(haystack)
+    with open_server(url, profile, model=model, timeout=timeout, note=output.note) as server, \
+            output.progress(unit="cells") as bar:
+        tokenizer = open_tokenizer(server, tokenizer_dir)
+        task = bar.add_task("needle grid", total=len(grid_lengths) * len(grid_depths))
+        report = needle_run.run_grid(
+            server, tokenizer, source, lengths=grid_lengths, depths=grid_depths, out=out, seed=seed,
+            kind=kind, api=api, distractors=distractors, template_kwargs=kwargs,  # type: ignore[arg-type]
+            max_answer_tokens=max_answer_tokens, restart=restart, dry_run=dry_run,
+            on_cell=lambda cell, done, total: bar.update(task, completed=done))
+    if baseline is not None:
+        report.comparison = needle_run.compare(report.cells, baseline)
+    if not dry_run:
+        png_path = png or out.with_suffix(".png")
+        if needle_run.write_heatmap(report, png_path):
+            report.heatmap = str(png_path)
+        else:
+            output.warn("matplotlib is not installed: no heatmap (pip install 'glmctl[plot]')")
+    output.result(report, lambda console: _render_needle(console, report))
+
+
+def _render_needle(console, report) -> None:
+    from rich.table import Table
+
+    s = report.settings
+    console.print(f"[bold]Needle in a haystack[/bold]: {s.server.model} at {s.server.url}"
+                  + ("  [yellow](dry run: nothing asked)[/yellow]" if report.dry_run else ""))
+    console.print(f"  needles: {s.needle_kind} keyed by a random name, {s.distractors} distractor(s), seed {s.seed}; "
+                  f"api {s.api}; tokenizer {s.tokenizer}")
+    cells = {(c.length, c.depth_percent): c for c in report.cells}
+    table = Table(title="found (actual depth %)", header_style="bold")
+    table.add_column("prompt tokens", justify="right")
+    for d in report.depths:
+        table.add_column(f"{d:g}%", justify="center")
+    for length in report.lengths:
+        row = []
+        for d in report.depths:
+            c = cells[(length, d)]
+            mark = ("[dim]planned[/dim]" if report.dry_run else "[green]found[/green]" if c.correct
+                    else "[yellow]distractor[/yellow]" if c.distractor else "[red]missed[/red]")
+            row.append(f"{mark} ({c.actual_depth_percent:.1f})")
+        table.add_row(f"{length:,}", *row)
+    console.print(table)
+    if not report.dry_run:
+        console.print(f"  found {sum(c.correct for c in report.cells)} of {len(report.cells)} "
+                      f"({report.accuracy:.0%}); {report.cells_run} cell(s) run, {report.cells_resumed} resumed")
+    console.print(f"  results: {report.results_file}" + (f"; heatmap: {report.heatmap}" if report.heatmap else ""))
+    if report.comparison is not None:
+        cmp = report.comparison
+        console.print(f"  vs baseline {cmp.baseline_file} ({cmp.baseline_accuracy:.0%} found): "
+                      f"{len(cmp.changed)} of {cmp.cells_compared} cell(s) changed")
+        for ch in cmp.changed:
+            console.print(f"    {ch.length:,} @ {ch.depth_percent:g}%: "
+                          f"{'found' if ch.baseline_correct else 'missed'} -> {'found' if ch.correct else 'missed'}")
+
+
+needle.epilog = examples(
+    "glmctl eval needle --url http://127.0.0.1:8000",
+    "glmctl eval needle --url http://127.0.0.1:8000 --lengths 64k,128k,250k --depths 0,25,50,75,100 --kind uuid",
+    "glmctl eval needle --url http://127.0.0.1:8000 --dry-run --lengths 8k",
+)
+
+app.command(name="perplexity", epilog=perplexity.epilog)(perplexity)
+app.command(name="needle", epilog=needle.epilog)(needle)

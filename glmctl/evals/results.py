@@ -1,0 +1,82 @@
+"""Result files: one JSON document per run, written atomically, read back as a baseline.
+
+Every result carries `kind` (perplexity, needle, bench), a schema version, when and against what it
+was measured; `--baseline FILE` loads one and refuses a file of another kind or version.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from glmctl.errors import UsageError
+
+SCHEMA_VERSION = 1
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ServerInfo(BaseModel):
+    url: str
+    model: str
+    max_model_len: int | None = None
+    root: str | None = None  # vLLM: the checkpoint the served name stands for
+
+
+def server_info(server) -> ServerInfo:
+    model = server.model
+    return ServerInfo(url=server.base_url, model=model.id, max_model_len=model.max_model_len, root=model.root)
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write next to `path` and rename over it: a crash never leaves a half file that looks valid."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_result(path: Path, result: BaseModel) -> None:
+    write_atomic(path, result.model_dump_json(indent=1) + "\n")
+
+
+def load_result(path: Path, model: type[M], kind: str) -> M:
+    """Read a result file written by an earlier run of the same command."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise UsageError(f"baseline {path} does not exist") from exc
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"baseline {path} is not JSON ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(raw, dict) or raw.get("kind") != kind:
+        found = raw.get("kind") if isinstance(raw, dict) else type(raw).__name__
+        raise UsageError(f"baseline {path} is a {found!r} result, not a {kind!r} result",
+                         hint=f"pass a file written by an earlier `glmctl ... --out` of the same check ({kind})")
+    if raw.get("schema_version") != SCHEMA_VERSION:
+        raise UsageError(f"baseline {path} has schema version {raw.get('schema_version')}, "
+                         f"this glmctl writes {SCHEMA_VERSION}", hint="re-run the baseline with this glmctl")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UsageError(f"baseline {path} does not validate: {where}: {first['msg']}") from exc
