@@ -209,14 +209,16 @@ def _cell(sessions: int, context: int, output_tokens: int, run: DriveResult, bef
 def _why_no_window(run: DriveResult, sessions: int, output_tokens: int, last_first: float,
                    first_done: float, baseline_running: float) -> str:
     most = max((s.running - baseline_running for s in run.samples), default=0)
-    if most < sessions:
-        waited = max((s.waiting for s in run.samples), default=0)
-        return (f"the server ran at most {most:.0f} of {sessions} sessions at once ({waited:.0f} waited): "
-                "its max_num_seqs or KV capacity is smaller than the session count")
+    waited = max((s.waiting for s in run.samples), default=0)
+    capacity = (f"at most {most:.0f} of {sessions} sessions ran at once ({waited:.0f} waited): if the server's "
+                f"max_num_seqs or KV capacity is below {sessions}, no output length helps")
     if last_first >= first_done:
-        grow = math.ceil(output_tokens * 2.5)
-        return (f"the last prefill ended at {last_first:.1f} s, after the first session finished at "
-                f"{first_done:.1f} s: no moment had all {sessions} decoding; raise --output-tokens (try {grow})")
+        return (f"the last session's first token came at {last_first:.1f} s, after the first session finished at "
+                f"{first_done:.1f} s, so all {sessions} never decoded together"
+                + (f"; {capacity}" if most < sessions else "")
+                + f"; raise --output-tokens (try {math.ceil(output_tokens * 2.5)})")
+    if most < sessions:
+        return capacity
     return (f"all {sessions} decoded together for only {first_done - last_first:.2f} s, too short for two "
             "metric samples with nothing else happening; raise --output-tokens or lower --poll-interval")
 

@@ -131,6 +131,15 @@ def read_results(path: Path) -> tuple[NeedleSettings | None, dict[tuple[int, flo
     return header, cells
 
 
+def drop_cut_tail(path: Path) -> None:
+    """Cut a last line that a crash left unfinished, so appended lines start on a line of their own."""
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    with path.open("r+b") as fh:
+        fh.truncate(data.rfind(b"\n") + 1)
+
+
 def _append(path: Path, record: BaseModel) -> None:
     with path.open("a", encoding="utf-8") as fh:
         fh.write(record.model_dump_json() + "\n")
@@ -184,10 +193,12 @@ def run_grid(server: OpenAIServer, tokenizer: Tokenizer, source: SourceText, *, 
                          hint="pass another --out, or --restart to start that file over")
     cells = [(length, depth) for length in lengths for depth in depths]
     todo = [c for c in cells if c not in done]
-    if not dry_run and (header is None):
+    if not dry_run and header is None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("", encoding="utf-8")  # --restart, or a new file: start it with the header
         _append(out, settings)
+    elif not dry_run:
+        drop_cut_tail(out)
     stream = nd.HaystackStream(source, tokenizer)
     if todo:
         stream.ensure_tokens(max(length for length, _ in todo))
