@@ -8,12 +8,21 @@ from typing import Annotated
 import typer
 
 from glmctl._cli.options import JsonOpt, ProfileOpt, QuietOpt, UrlOpt, examples
-from glmctl.commands.eval import BaselineOpt, ServedModelOpt, TimeoutOpt, TokenizerOpt
+from glmctl.commands.eval import (
+    AcceptLicenseOpt,
+    BaselineOpt,
+    CheckpointOpt,
+    ServedModelOpt,
+    TimeoutOpt,
+    TokenizerOpt,
+)
 
 
 def bench(
     url: UrlOpt = None,
     profile: ProfileOpt = None,
+    checkpoint: CheckpointOpt = None,
+    accept_license: AcceptLicenseOpt = None,
     model: ServedModelOpt = None,
     tokenizer_dir: TokenizerOpt = None,
     sessions: Annotated[str | None, typer.Option(
@@ -53,7 +62,8 @@ def bench(
         raise UsageError("--poll-interval must be > 0 and --output-tokens at least 2")
     base = load_result(baseline, b.BenchResult, "bench") if baseline else None
     prompt_files = corpus.read_prompt_dir(prompts) if prompts else None
-    with open_server(url, profile, model=model, timeout=timeout, note=output.note) as server, \
+    with open_server(url, profile, model=model, checkpoint=checkpoint, accept=accept_license,
+                     timeout=timeout, note=output.note) as server, \
             output.progress(unit="tokens") as bar:
         tokenizer = open_tokenizer(server, tokenizer_dir)
         source = None if prompt_files else corpus.stdlib_text()
@@ -82,9 +92,10 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 
 def _render(console, r, out: Path | None) -> None:
+    from rich.markup import escape as e
     from rich.table import Table
 
-    console.print(f"[bold]Bench[/bold]: {r.server.model} at {r.server.url}; prompts: {r.prompt_source}")
+    console.print(f"[bold]Bench[/bold]: {e(r.server.model)} at {e(r.server.url)}; prompts: {e(r.prompt_source)}")
     for c in r.cells:
         console.print(f"\n[bold]{c.sessions} session(s) x {c.context_tokens:,} prompt tokens[/bold], "
                       f"{c.output_tokens} output tokens each (EOS ignored)")
@@ -96,7 +107,7 @@ def _render(console, r, out: Path | None) -> None:
             console.print(f"  KV usage {100 * s.kv_usage_mean:.1f}% (max {100 * s.kv_usage_max:.1f}%), "
                           f"preemptions {c.preemptions}")
         else:
-            console.print(f"  [yellow]no steady window[/yellow]: {c.no_steady_reason}")
+            console.print(f"  [yellow]no steady window[/yellow]: {e(c.no_steady_reason or '')}")
         console.print(f"  averaged output {c.averaged_output_tok_s:.1f} tok/s over {c.wall_s:.1f} s "
                       "[dim](prefill and drain included: what `vllm bench serve` reports)[/dim]")
         table = Table(header_style="bold", show_edge=False)
@@ -104,18 +115,18 @@ def _render(console, r, out: Path | None) -> None:
             table.add_column(col, justify="right")
         for d in sorted(c.sessions_detail, key=lambda d: (d.ttft_s is None, d.ttft_s)):
             table.add_row(str(d.index + 1), _fmt(d.ttft_s, ".2f"), str(d.output_tokens), _fmt(d.decode_tok_s),
-                          _fmt(d.window_tok_s), d.error or d.finish_reason or "")
+                          _fmt(d.window_tok_s), e(d.error or d.finish_reason or ""))
         console.print(table)
     if len(r.cells) > 1:
         console.print()
         console.print(scaling_table(r))
     if r.comparison:
-        console.print(f"\nvs baseline {r.baseline_file}:")
+        console.print(f"\nvs baseline {r.baseline_file}:", markup=False)
         for ch in r.comparison:
             console.print(f"  {ch.sessions} x {ch.context_tokens:,}: {_fmt(ch.baseline_tok_s)} -> {_fmt(ch.tok_s)} tok/s"
                           + (f" ({ch.change_percent:+.1f}%)" if ch.change_percent is not None else ""))
     if out is not None:
-        console.print(f"\nresult: {out}")
+        console.print(f"\nresult: {out}", markup=False)
 
 
 def scaling_table(r):

@@ -25,6 +25,12 @@ BaselineOpt = Annotated[
     Path | None, typer.Option("--baseline", help="A result file of an earlier run to compare against.")
 ]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for one request.")]
+CheckpointOpt = Annotated[
+    Path | None, typer.Option("--checkpoint", help="With --profile: the checkpoint directory to serve.")
+]
+AcceptLicenseOpt = Annotated[
+    list[str] | None, typer.Option("--accept-license", help="With --profile: accept this licence id (repeatable).")
+]
 
 
 def _template_kwargs(raw: str | None) -> dict | None:
@@ -46,12 +52,14 @@ def perplexity(
         help="Text files or directories to score (default: a fixed slice of Python's stdlib source).")] = None,
     url: UrlOpt = None,
     profile: ProfileOpt = None,
+    checkpoint: CheckpointOpt = None,
+    accept_license: AcceptLicenseOpt = None,
     model: ServedModelOpt = None,
     tokenizer_dir: TokenizerOpt = None,
     window: Annotated[int | None, typer.Option(help="Text tokens per request (default 4,096, within max_model_len).")] = None,
     stride: Annotated[int | None, typer.Option(help="New tokens scored per window (default: half the window).")] = None,
-    bos: Annotated[str, typer.Option(help="auto: start every window with the tokenizer's own special prefix "
-                                          "(BOS); none: start with text.")] = "auto",
+    bos: Annotated[str, typer.Option(help="What every window starts with (never scored): auto = the tokenizer's own "
+                                          "special prefix (BOS), none = nothing, or a literal such as '[gMASK]<sop>'.")] = "auto",
     max_tokens: Annotated[int, typer.Option(help="Score the text's first N tokens.")] = 30_000,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result JSON here (a later --baseline).")] = None,
     baseline: BaselineOpt = None,
@@ -64,7 +72,6 @@ def perplexity(
     Strided sliding windows (each window scores only its new tokens); the method, the tokenizer and the text's hash are in the result. With --baseline: the paired relative change and its 95% CI.
     """
     from glmctl._cli.output import Output
-    from glmctl.errors import UsageError
     from glmctl.evals import corpus
     from glmctl.evals import perplexity as ppl
     from glmctl.evals.results import load_result, save_result
@@ -72,15 +79,14 @@ def perplexity(
     from glmctl.evals.tokenizer import open_tokenizer
 
     output = Output.from_flags(json_, quiet)
-    if bos not in ("auto", "none"):
-        raise UsageError(f"--bos must be auto or none, not {bos!r}")
     base = load_result(baseline, ppl.PerplexityResult, "perplexity") if baseline else None
     source = corpus.load_text(paths)
-    with open_server(url, profile, model=model, timeout=timeout, note=output.note) as server, \
+    with open_server(url, profile, model=model, checkpoint=checkpoint, accept=accept_license,
+                     timeout=timeout, note=output.note) as server, \
             output.progress(unit="tokens") as bar:
         tokenizer = open_tokenizer(server, tokenizer_dir)
         task = bar.add_task("scoring", total=None)
-        result = ppl.measure(server, tokenizer, source, window=window, stride=stride, bos=bos,  # type: ignore[arg-type]
+        result = ppl.measure(server, tokenizer, source, window=window, stride=stride, bos=bos,
                              max_tokens=max_tokens, on_start=lambda n: bar.update(task, total=n),
                              on_window=lambda n: bar.advance(task, n))
     if base is not None:
@@ -92,14 +98,15 @@ def perplexity(
 
 
 def _render_perplexity(console, r, out: Path | None) -> None:
+    from rich.markup import escape as e
     from rich.table import Table
 
-    console.print(f"[bold]Perplexity[/bold] of {r.server.model} at {r.server.url}")
+    console.print(f"[bold]Perplexity[/bold] of {e(r.server.model)} at {e(r.server.url)}")
     console.print(f"  text:      {r.text.tokens:,} tokens of {r.text.origin}"
                   f"{' (Python ' + r.text.python_version + ')' if r.text.python_version else ''}, "
-                  f"{len(r.text.files)} file(s) from {r.text.files[0]}; sha256 {r.text.sha256[:12]}")
-    console.print(f"  tokenizer: {r.tokenizer} (no special tokens added to the text)")
-    console.print(f"  windows:   {r.windowing.describe()}")
+                  f"{len(r.text.files)} file(s) from {e(r.text.files[0])}; sha256 {r.text.sha256[:12]}")
+    console.print(f"  tokenizer: {e(r.tokenizer)} (no special tokens added to the text)")
+    console.print(f"  windows:   {e(r.windowing.describe())}")
     table = Table(show_header=True, header_style="bold")
     for col in ("token perplexity", "± stderr", "bits per byte", "tokens scored", "bytes scored"):
         table.add_column(col, justify="right")
@@ -108,10 +115,10 @@ def _render_perplexity(console, r, out: Path | None) -> None:
     console.print(table)
     console.print(f"  [dim]stderr: {r.stderr_method}[/dim]")
     if r.comparison is not None:
-        console.print(f"  [bold]vs baseline[/bold] {r.comparison.baseline_file}: {r.comparison.describe()}")
+        console.print(f"  [bold]vs baseline[/bold] {e(r.comparison.baseline_file)}: {e(r.comparison.describe())}")
         console.print(f"  [dim]{r.comparison.method}[/dim]")
     if out is not None:
-        console.print(f"  result: {out}")
+        console.print(f"  result: {out}", markup=False)
 
 
 perplexity.epilog = examples(
@@ -124,6 +131,8 @@ perplexity.epilog = examples(
 def needle(
     url: UrlOpt = None,
     profile: ProfileOpt = None,
+    checkpoint: CheckpointOpt = None,
+    accept_license: AcceptLicenseOpt = None,
     model: ServedModelOpt = None,
     tokenizer_dir: TokenizerOpt = None,
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens (k = 1,000).")] = "32k,128k,250k",
@@ -166,7 +175,8 @@ def needle(
     grid_lengths, grid_depths = nd.parse_lengths(lengths), nd.parse_depths(depths)
     kwargs = _template_kwargs(template_kwargs)
     source = corpus.load_text(haystack)
-    with open_server(url, profile, model=model, timeout=timeout, note=output.note) as server, \
+    with open_server(url, profile, model=model, checkpoint=checkpoint, accept=accept_license,
+                     timeout=timeout, note=output.note) as server, \
             output.progress(unit="cells") as bar:
         tokenizer = open_tokenizer(server, tokenizer_dir)
         task = bar.add_task("needle grid", total=len(grid_lengths) * len(grid_depths))
@@ -187,13 +197,14 @@ def needle(
 
 
 def _render_needle(console, report) -> None:
+    from rich.markup import escape as e
     from rich.table import Table
 
     s = report.settings
-    console.print(f"[bold]Needle in a haystack[/bold]: {s.server.model} at {s.server.url}"
+    console.print(f"[bold]Needle in a haystack[/bold]: {e(s.server.model)} at {e(s.server.url)}"
                   + ("  [yellow](dry run: nothing asked)[/yellow]" if report.dry_run else ""))
     console.print(f"  needles: {s.needle_kind} keyed by a random name, {s.distractors} distractor(s), seed {s.seed}; "
-                  f"api {s.api}; tokenizer {s.tokenizer}")
+                  f"api {s.api}; tokenizer {e(s.tokenizer)}")
     cells = {(c.length, c.depth_percent): c for c in report.cells}
     table = Table(title="found (actual depth %)", header_style="bold")
     table.add_column("prompt tokens", justify="right")
@@ -211,10 +222,11 @@ def _render_needle(console, report) -> None:
     if not report.dry_run:
         console.print(f"  found {sum(c.correct for c in report.cells)} of {len(report.cells)} "
                       f"({report.accuracy:.0%}); {report.cells_run} cell(s) run, {report.cells_resumed} resumed")
-    console.print(f"  results: {report.results_file}" + (f"; heatmap: {report.heatmap}" if report.heatmap else ""))
+    console.print(f"  results: {report.results_file}" + (f"; heatmap: {report.heatmap}" if report.heatmap else ""),
+                  markup=False)
     if report.comparison is not None:
         cmp = report.comparison
-        console.print(f"  vs baseline {cmp.baseline_file} ({cmp.baseline_accuracy:.0%} found): "
+        console.print(f"  vs baseline {e(cmp.baseline_file)} ({cmp.baseline_accuracy:.0%} found): "
                       f"{len(cmp.changed)} of {cmp.cells_compared} cell(s) changed")
         for ch in cmp.changed:
             console.print(f"    {ch.length:,} @ {ch.depth_percent:g}%: "

@@ -11,9 +11,10 @@ HF guide a strided sliding window):
   least `window - stride` tokens of context (the first window: whatever precedes it). The last
   window is aligned to the end of the text, so it too is full length.
 - **BOS policy.** `auto`: every window starts with the special tokens the tokenizer itself would
-  put before a text (e.g. BOS, or GLM's `[gMASK]<sop>`), never scored. `none`, or a tokenizer that
-  adds nothing: windows start with text, and the text's first token, having no context, is not
-  scored.
+  put before a text (a Llama BOS, say), never scored. Any other text (e.g. GLM's `[gMASK]<sop>`,
+  which GLM's chat template puts first and its tokenizer does not add) is tokenised and used the
+  same way. `none`, or a tokenizer that adds nothing: windows start with text, and the text's first
+  token, having no context, is not scored.
 - Each window is one `/v1/completions` request with the token IDs as the prompt and
   `prompt_logprobs: 0` (vLLM): the server's log p(token | everything before it in the window).
 
@@ -41,7 +42,6 @@ from glmctl.evals.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 30_000
 DEFAULT_WINDOW = 4096
-BosPolicy = Literal["auto", "none"]
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,15 @@ class Windowing(BaseModel):
     method: Literal["strided-sliding-window"] = "strided-sliding-window"
     window: int
     stride: int
-    bos_policy: BosPolicy
+    bos_policy: str  # "auto", "none", or the literal text used as the prefix
     prefix_ids: list[int]
     windows: int
     first_scored_token: int
 
     def describe(self) -> str:
-        bos = (f"each window starts with the tokenizer's special prefix {self.prefix_ids} (not scored)"
-               if self.prefix_ids else "no BOS: windows start with text; the text's first token is not scored")
+        what = "the tokenizer's special prefix" if self.bos_policy == "auto" else repr(self.bos_policy)
+        bos = (f"each window starts with {what} = ids {self.prefix_ids} (not scored)" if self.prefix_ids
+               else "no BOS: windows start with text; the text's first token is not scored")
         return (f"strided sliding window: {self.windows} window(s) of {self.window:,} tokens, stride "
                 f"{self.stride:,} (each scores only its new tokens, with >= {self.window - self.stride:,} "
                 f"tokens of context after the first); {bos}")
@@ -145,6 +146,17 @@ def _ids_digest(ids: list[int], first_scored: int) -> str:
     return h.hexdigest()
 
 
+def bos_prefix(tokenizer: Tokenizer, bos: str) -> list[int]:
+    if bos == "auto":
+        return tokenizer.special_prefix()
+    if bos == "none":
+        return []
+    ids = tokenizer.encode(bos)
+    if not ids:
+        raise UsageError(f"--bos {bos!r} tokenizes to nothing")
+    return ids
+
+
 def resolve_window(server: OpenAIServer, window: int | None, stride: int | None, prefix_len: int,
                    n_tokens: int) -> tuple[int, int]:
     """Defaults (4,096 and half of it, within max_model_len) and the fit check with the numbers."""
@@ -176,11 +188,11 @@ def score(server: OpenAIServer, prefix: list[int], ids: list[int], windows: list
 
 
 def measure(server: OpenAIServer, tokenizer: Tokenizer, source: SourceText, *, window: int | None = None,
-            stride: int | None = None, bos: BosPolicy = "auto", max_tokens: int = DEFAULT_MAX_TOKENS,
+            stride: int | None = None, bos: str = "auto", max_tokens: int = DEFAULT_MAX_TOKENS,
             on_start: Callable[[int], None] | None = None,
             on_window: Callable[[int], None] | None = None) -> PerplexityResult:
     ids = tokenizer.encode(source.text)[:max_tokens]
-    prefix = tokenizer.special_prefix() if bos == "auto" else []
+    prefix = bos_prefix(tokenizer, bos)
     window, stride = resolve_window(server, window, stride, len(prefix), len(ids))
     windows = plan_windows(len(ids), window, stride, has_prefix=bool(prefix))
     first_scored = windows[0].score_from
