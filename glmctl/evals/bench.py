@@ -38,7 +38,8 @@ class SessionResult(BaseModel):
     index: int
     prompt_tokens: int
     ttft_s: float | None
-    output_tokens: int
+    output_tokens: int  # counted by the client, chunk by chunk
+    usage_completion_tokens: int | None  # the server's count (final usage chunk)
     decode_tok_s: float | None  # this session, first to last token
     window_tokens: int  # client-counted, inside the steady window
     window_tok_s: float | None
@@ -192,7 +193,7 @@ def _cell(sessions: int, context: int, output_tokens: int, run: DriveResult, bef
         detail.append(SessionResult(
             index=t.index, prompt_tokens=t.prompt_tokens,
             ttft_s=None if t.first_token_at is None else t.first_token_at - t.sent_at,
-            output_tokens=t.output_tokens, decode_tok_s=(t.output_tokens - 1) / span if span > 0 else None,
+            output_tokens=t.output_tokens, usage_completion_tokens=t.usage_completion_tokens, decode_tok_s=(t.output_tokens - 1) / span if span > 0 else None,
             window_tokens=in_win, window_tok_s=in_win / steady.seconds if steady else None,
             finish_reason=t.finish_reason, error=t.error))
     wall = (max(dones) if dones else 0.0) - min(t.sent_at for t in traces)

@@ -46,6 +46,7 @@ class Answer:
     completion_tokens: int | None
     finish_reason: str | None
     reasoning: str | None = None  # a reasoning parser's separate channel (chat only), kept for the record
+    prompt_tokens: int | None = None  # as the server counted them (usage)
 
 
 def normalize_base_url(url: str) -> str:
@@ -289,4 +290,5 @@ def _answer(body: Any, *, chat: bool) -> Answer:
     usage = body.get("usage") or {}
     reasoning = message.get("reasoning_content") or message.get("reasoning") if chat else None
     return Answer(text=text or "", completion_tokens=usage.get("completion_tokens"),
-                  finish_reason=choice.get("finish_reason"), reasoning=reasoning)
+                  finish_reason=choice.get("finish_reason"), reasoning=reasoning,
+                  prompt_tokens=usage.get("prompt_tokens"))

