@@ -224,6 +224,11 @@ def _render_needle(console, report) -> None:
                       f"({report.accuracy:.0%}); {report.cells_run} cell(s) run, {report.cells_resumed} resumed")
     console.print(f"  results: {report.results_file}" + (f"; heatmap: {report.heatmap}" if report.heatmap else ""),
                   markup=False)
+    if report.cells_cut_off and not report.dry_run:
+        console.print(f"  [yellow]{report.cells_cut_off} missed cell(s) stopped at --max-answer-tokens "
+                      f"{s.max_answer_tokens}[/yellow]: a reasoning model may still be thinking; raise it, or pass "
+                      "--template-kwargs '{\"enable_thinking\": false}' if the model's template has that switch",
+                      highlight=False)
     if report.comparison is not None:
         cmp = report.comparison
         console.print(f"  vs baseline {e(cmp.baseline_file)} ({cmp.baseline_accuracy:.0%} found): "
@@ -237,6 +242,7 @@ needle.epilog = examples(
     "glmctl eval needle --url http://127.0.0.1:8000",
     "glmctl eval needle --url http://127.0.0.1:8000 --lengths 64k,128k,250k --depths 0,25,50,75,100 --kind uuid",
     "glmctl eval needle --url http://127.0.0.1:8000 --dry-run --lengths 8k",
+    "glmctl eval needle --url http://127.0.0.1:8000 --template-kwargs '{\"enable_thinking\": false}'",
 )
 
 app.command(name="perplexity", epilog=perplexity.epilog)(perplexity)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -224,17 +225,29 @@ def _why_no_window(run: DriveResult, sessions: int, output_tokens: int, last_fir
             "metric samples with nothing else happening; raise --output-tokens or lower --poll-interval")
 
 
+def wait_idle(server: OpenAIServer, timeout_s: float):
+    """The first sample with nothing running or waiting; the gauges of a request that just ended
+    may lag by a step, so wait a little before calling the server busy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sample = scrape(server, 0.0)
+        if not (sample.running or sample.waiting):
+            return sample
+        if time.monotonic() > deadline:
+            raise UsageError(f"the server is busy before the bench ({sample.running:.0f} running, "
+                             f"{sample.waiting:.0f} waiting): steady-state numbers need it to itself",
+                             hint="wait for other clients to finish, or bench a server of your own")
+        time.sleep(0.5)
+
+
 def run_cell(server: OpenAIServer, prompts: PromptSource, *, sessions: int, context: int, output_tokens: int,
-             poll_interval: float = 0.5, on_tokens: Callable[[int], None] | None = None) -> BenchCell:
+             poll_interval: float = 0.5, on_tokens: Callable[[int], None] | None = None,
+             idle_wait_s: float = 15.0) -> BenchCell:
     server.check_fits(context + output_tokens,
                       f"a session of {context:,} prompt + {output_tokens:,} output tokens",
                       hint=f"use --context {(server.max_model_len or 0) - output_tokens} or less")
     batch = prompts.prompts(sessions, context)
-    before = scrape(server, 0.0)
-    if before.running or before.waiting:
-        raise UsageError(f"the server is busy before the bench ({before.running:.0f} running, "
-                         f"{before.waiting:.0f} waiting): steady-state numbers need it to itself",
-                         hint="wait for other clients to finish, or bench a server of your own")
+    before = wait_idle(server, idle_wait_s)
     run = drive(server, batch, output_tokens, poll_interval=poll_interval, on_tokens=on_tokens)
     after = scrape(server, 0.0)
     return _cell(sessions, context, output_tokens, run, before, after)

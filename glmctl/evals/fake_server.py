@@ -173,9 +173,11 @@ class _Handler(BaseHTTPRequestHandler):
         if body.get("stream"):
             return self._stream(ids, body, max_tokens)
         text = e.answer(decode(ids))
-        for _ in e.generate(len(ids), min(max_tokens, len(encode(text)))):
+        finish = "length" if len(text) > max_tokens else "stop"
+        text = text[:max_tokens]  # one token per character
+        for _ in e.generate(len(ids), len(text)):
             pass
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:

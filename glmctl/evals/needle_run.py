@@ -70,6 +70,7 @@ class CellSummary(BaseModel):
     correct: bool
     distractor: bool
     answer: str
+    cut_off: bool = False  # the answer hit max_answer_tokens (finish_reason "length") and missed
 
 
 class CellChange(BaseModel):
@@ -99,6 +100,7 @@ class NeedleReport(BaseModel):
     cells_resumed: int
     cells_run: int
     dry_run: bool = False
+    cells_cut_off: int = 0  # answers that hit max_answer_tokens with no needle value in them
     heatmap: str | None = None
     comparison: NeedleComparison | None = None
     note: str
@@ -152,7 +154,8 @@ def summarize(cell: CellResult) -> CellSummary:
     return CellSummary(length=cell.recipe.length, depth_percent=cell.recipe.depth_percent,
                        actual_depth_percent=cell.layout.actual_depth_percent,
                        prompt_tokens=cell.layout.prompt_tokens, needle_token_index=cell.layout.needle_token_index,
-                       correct=cell.correct, distractor=cell.distractor, answer=cell.answer[:200])
+                       correct=cell.correct, distractor=cell.distractor, answer=cell.answer[:200],
+                       cut_off=cell.finish_reason == "length" and not cell.correct)
 
 
 def compare(cells: list[CellSummary], baseline_path: Path) -> NeedleComparison:
@@ -223,7 +226,7 @@ def run_grid(server: OpenAIServer, tokenizer: Tokenizer, source: SourceText, *, 
     return NeedleReport(
         results_file=str(out), settings=header or settings, lengths=lengths, depths=depths, cells=ordered,
         accuracy=sum(c.correct for c in ordered) / len(ordered), cells_resumed=len(cells) - len(todo),
-        cells_run=len(todo), dry_run=dry_run,
+        cells_run=len(todo), dry_run=dry_run, cells_cut_off=sum(c.cut_off for c in ordered),
         note="exact substring scoring of the needle's value; prompts rebuild from each line's recipe",
     )
 

@@ -106,6 +106,14 @@ def test_a_miss_is_scored_as_a_miss_and_baseline_shows_the_change(tmp_path):
     assert cmp.cells_compared == 2 and [(c.baseline_correct, c.correct) for c in cmp.changed] == [(True, False)] * 2
 
 
+def test_answers_cut_off_at_max_answer_tokens_are_counted(tmp_path):
+    with FakeServer(FakeEngine(max_model_len=3000, retrieve=False)) as url, OpenAIServer(url) as server:
+        server.connect()
+        report = needle_run.run_grid(server, ServerTokenizer(server), stdlib_text(), lengths=[1000],
+                                     depths=[50], out=tmp_path / "n.jsonl", max_answer_tokens=4)
+    assert report.cells_cut_off == 1 and report.cells[0].answer == "I do"
+
+
 def test_resume_skips_done_cells_ignores_a_cut_line_and_refuses_other_settings(fake, tmp_path):
     tok, source, out = ServerTokenizer(fake), stdlib_text(), tmp_path / "n.jsonl"
     needle_run.run_grid(fake, tok, source, lengths=[1000], depths=[20, 80], out=out)
