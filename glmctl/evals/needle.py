@@ -19,7 +19,7 @@ import hashlib
 import random
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel
@@ -142,12 +142,21 @@ def ids_digest(ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
 
 
-def first_token_covering(tokenizer: Tokenizer, ids: list[int], char_offset: int) -> int:
-    """Index of the token whose decoded text covers `char_offset` of decode(ids) (binary search)."""
-    lo, hi = 0, len(ids)  # invariant: len(decode(ids[:lo])) <= char_offset < len(decode(ids[:hi]))
+def first_token_covering(tokenizer: Tokenizer, ids: list[int], char_offset: int,
+                         memo: dict[int, int] | None = None) -> int:
+    """Index of the token whose decoded text covers `char_offset` of decode(ids) (binary search;
+    `memo` keeps decoded prefix lengths across searches over the same ids)."""
+    memo = {} if memo is None else memo
+
+    def chars(k: int) -> int:
+        if k not in memo:
+            memo[k] = len(tokenizer.decode(ids[:k]))
+        return memo[k]
+
+    lo, hi = 0, len(ids)  # invariant: chars(lo) <= char_offset < chars(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if len(tokenizer.decode(ids[:mid])) <= char_offset:
+        if chars(mid) <= char_offset:
             lo = mid
         else:
             hi = mid
@@ -157,12 +166,13 @@ def first_token_covering(tokenizer: Tokenizer, ids: list[int], char_offset: int)
 def locate(tokenizer: Tokenizer, ids: list[int], recipe: CellRecipe) -> tuple[int, int, int]:
     """(haystack start, haystack end, needle) token indices in the final prompt, by decoding it."""
     rendered = tokenizer.decode(ids)
+    memo = {len(ids): len(rendered)}
     hay_start = rendered.find(INTRO) + len(INTRO)
     needle_at = rendered.find(recipe.needle.line.rstrip("\n"))
     hay_end = rendered.find(QUESTION.format(key=recipe.needle.key))
     if min(hay_start - len(INTRO), needle_at, hay_end) < 0:
         raise AssertionError("the rendered prompt does not contain the haystack and the needle")
-    return tuple(first_token_covering(tokenizer, ids, c) for c in (hay_start, hay_end, needle_at))  # type: ignore[return-value]
+    return tuple(first_token_covering(tokenizer, ids, c, memo) for c in (hay_start, hay_end, needle_at))  # type: ignore[return-value]
 
 
 @dataclass
@@ -173,6 +183,7 @@ class HaystackStream:
     tokenizer: Tokenizer
     repeats: int = 1
     ids: list[int] | None = None
+    _chars: dict[int, int] = field(default_factory=dict)  # token prefix length -> chars
 
     def ensure_tokens(self, n: int) -> None:
         """Tokenise enough of the stream for `n` tokens (call once, with the longest cell)."""
@@ -180,13 +191,16 @@ class HaystackStream:
         while True:
             self.repeats = max(1, -(-chars // len(self.source.text)))
             self.ids = self.tokenizer.encode((self.source.text * self.repeats)[:chars])
+            self._chars.clear()
             if len(self.ids) > n + 8:
                 return
             chars *= 2
 
     def chars_of(self, n_tokens: int) -> int:
         assert self.ids is not None
-        return len(self.tokenizer.decode(self.ids[:n_tokens]))
+        if n_tokens not in self._chars:
+            self._chars[n_tokens] = len(self.tokenizer.decode(self.ids[:n_tokens]))
+        return self._chars[n_tokens]
 
     def line_start_at_or_before(self, char_offset: int) -> int:
         text = self.source.text * self.repeats
