@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from glmctl import __version__
-from glmctl.commands import bench, doctor, fetch, plan, testing
+from glmctl.commands import bench, doctor, fetch, plan, quantize, testing
 from glmctl.commands import eval as eval_commands
 
 app = typer.Typer(
@@ -32,6 +32,7 @@ COMMANDS = [
     ("bench", bench.bench),
 ]
 GROUPS = [
+    ("quantize", quantize.app),
     ("testing", testing.app),
     ("eval", eval_commands.app),
 ]

@@ -10,8 +10,8 @@ Each block's scale is amax(|block|) / 448, so the block's largest element maps t
 largest finite e4m3fn value; an all-zero block gets scale 1. Blocks at the bottom and right edges
 may be partial (N or K not a multiple of B): their scale comes from the elements they have, exactly
 the grid `create_fp8_scale_parameter` allocates (ceil) and `_dequant_fp8_block` in vLLM's
-glm5next loader expands. Rounding is torch's cast to float8_e4m3fn (round to nearest, ties to
-even) after clamping to +-448, so nothing saturates to NaN.
+glm5next loader expands. Rounding is torch's cast to float8_e4m3fn: round to nearest, ties to even,
+saturating at +-448 (never NaN).
 """
 
 from __future__ import annotations
@@ -34,28 +34,31 @@ def quantize_block_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     """Quantise a 2-D bf16/fp16/fp32 matrix: returns (fp8 weight, fp32 weight_scale_inv).
 
     Rows may be a stripe of a larger matrix as long as the stripe starts on a block row: the
-    scales of consecutive stripes then concatenate to the whole matrix's scales. Modifies nothing
-    the caller can see unless `w` is already fp32 (then it is used as scratch).
+    scales of consecutive stripes then concatenate to the whole matrix's scales. `w` is not
+    modified. Each element is scaled by 448 / amax(block) in fp32 and cast with torch's
+    saturating round-to-nearest-even; |w * 448 / amax| exceeds 448 by at most an fp32 rounding
+    step, which the cast saturates to 448.
     """
     import torch
 
     rows, cols = w.shape
     nb_r, nb_c = scale_shape((rows, cols), block)
-    x = w.float()
     pad_r, pad_c = nb_r * block - rows, nb_c * block - cols
     if pad_r or pad_c:
-        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))  # zeros never raise a block's amax
-    blocks = x.view(nb_r, block, nb_c, block)
-    # amax from the max and min reductions: no |x| temporary the size of the stripe.
-    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
+        w = torch.nn.functional.pad(w, (0, pad_c, 0, pad_r))  # zeros never raise a block's amax
+    blocks = w.view(nb_r, block, nb_c, block)
+    # amax from max and min on the source dtype (exact): no |w| temporary, half the bytes of fp32.
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg()).float()
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("the matrix holds NaN or infinite values")
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    blocks.div_(scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    q = blocks.to(torch.float8_e4m3fn).view(nb_r * block, nb_c * block)
+    nonzero = amax > 0
+    scale_inv = torch.where(nonzero, amax / FP8_MAX, torch.ones_like(amax))
+    x = blocks.float() if blocks.dtype != torch.float32 else blocks.clone()
+    x.mul_(torch.where(nonzero, FP8_MAX / amax, torch.ones_like(amax))[:, None, :, None])
+    q = x.to(torch.float8_e4m3fn).view(nb_r * block, nb_c * block)
     if pad_r or pad_c:
         q = q[:rows, :cols].contiguous()
-    return q, scale_inv.contiguous()
+    return q, scale_inv
 
 
 def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: int,

@@ -1,19 +1,22 @@
 """`glmctl quantize fp8`: stream a safetensors checkpoint shard by shard into block-FP8.
 
-Memory: a converted matrix is read, quantised and written in stripes of whole block rows of at
-most `STRIPE_BYTES` source bytes, and every other tensor is copied in `COPY_BYTES` pieces, so peak
-memory is a few stripes (the fp32 working copy of a bf16 stripe is twice its size) whatever the
-size of the checkpoint or of its largest tensor. Output shards keep the source shard names; each
+Memory: a converted matrix is read in `READ_BYTES` pieces and quantised in stripes of whole block
+rows (`STRIPE_BYTES` of source) on a thread pool, at most two reads in flight; every other tensor
+is copied in `COPY_BYTES` pieces. Peak memory is therefore a few tens of MiB plus the fp32 copies
+of the stripes being worked on, whatever the size of the checkpoint or of its largest tensor. Output shards keep the source shard names; each
 converted `X.weight` becomes `X.weight` (F8_E4M3) followed by `X.weight_scale_inv` (F32).
 Atomicity and resume: `glmctl.quantize.job` (one unit per shard).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,8 +28,9 @@ from glmctl.quantize.glm5next import FATE_TEXT
 from glmctl.quantize.job import ConversionJob
 from glmctl.quantize.safetensors_io import DTYPE_BYTES, ShardHeader, ShardReader, ShardWriter
 
-STRIPE_BYTES = 16 * 2**20
-COPY_BYTES = 16 * 2**20
+STRIPE_BYTES = 2**20  # source bytes quantised per task: fits in L2/L3 with its fp32 copy
+READ_BYTES = 8 * 2**20  # source bytes per read
+COPY_BYTES = 8 * 2**20
 REPORT_FILE = "glmctl-quantize.json"
 _TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
@@ -106,11 +110,12 @@ def convert_fp8(src: Path, dst: Path, settings: Fp8Settings, *, force: bool = Fa
     done = total - sum(s.data_bytes for s in todo)
     if on_progress:
         on_progress(done, total)
-    for shard in todo:
-        with job.unit(shard.path.name) as tmp:
-            done = _convert_shard(shard, plan, tmp, settings.block, done, total, on_progress)
-        if on_shard_done:
-            on_shard_done(shard.path.name)
+    with _quantize_pool() as pool:
+        for shard in todo:
+            with job.unit(shard.path.name) as tmp:
+                done = _convert_shard(shard, plan, tmp, settings.block, pool, done, total, on_progress)
+            if on_shard_done:
+                on_shard_done(shard.path.name)
     _write_metadata(job, ckpt, plan, result)
     job.finalize()
     result.shards_resumed = job.resumed_units
@@ -125,8 +130,8 @@ def _check_paths(src: Path, dst: Path) -> None:
                          "directory outside the source (and not containing it)")
 
 
-def _convert_shard(shard: ShardHeader, plan: Fp8Plan, path: Path, block: int, done: int, total: int,
-                   on_progress: Progress | None) -> int:
+def _convert_shard(shard: ShardHeader, plan: Fp8Plan, path: Path, block: int, pool: ThreadPoolExecutor,
+                   done: int, total: int, on_progress: Progress | None) -> int:
     metadata = {**shard.metadata, "format": "pt"}
     writer = ShardWriter(path, plan.layouts[shard.path.name], metadata)
     try:
@@ -134,7 +139,7 @@ def _convert_shard(shard: ShardHeader, plan: Fp8Plan, path: Path, block: int, do
             for entry in shard.tensors.values():
                 t = plan.tensors[entry.name]
                 if t.action == "quantize":
-                    for n in _quantize_tensor(reader, entry, t, writer, block):
+                    for n in _quantize_tensor(reader, entry, t, writer, block, pool):
                         done += n
                         if on_progress:
                             on_progress(done, total)
@@ -151,30 +156,71 @@ def _convert_shard(shard: ShardHeader, plan: Fp8Plan, path: Path, block: int, do
     return done
 
 
-def _quantize_tensor(reader: ShardReader, entry, t: TensorPlan, writer: ShardWriter, block: int):
-    """Quantise `entry` stripe by stripe (whole block rows), yielding source bytes consumed."""
+def _quantize_tensor(reader: ShardReader, entry, t: TensorPlan, writer: ShardWriter, block: int,
+                     pool: ThreadPoolExecutor):
+    """Quantise `entry` in stripes of whole block rows on the pool, writing them in order.
+
+    The main thread reads the next `READ_BYTES` while workers quantise the previous ones, so
+    reading, quantising and writing overlap; at most two reads' worth of stripes are in flight.
+    Yields the source bytes of each stripe once written.
+    """
     import torch
 
     rows, cols = entry.shape
-    width = DTYPE_BYTES[entry.dtype]
-    row_bytes = cols * width
+    row_bytes = cols * DTYPE_BYTES[entry.dtype]
     stripe_rows = max(block, STRIPE_BYTES // max(row_bytes, 1) // block * block)
-    buf = torch.empty(min(stripe_rows, rows) * row_bytes, dtype=torch.uint8)
+    read_rows = max(stripe_rows, READ_BYTES // max(row_bytes, 1) // stripe_rows * stripe_rows)
     dtype = getattr(torch, _TORCH_DTYPES[entry.dtype])
+    pending: deque = deque()
     scales = []
-    for r0 in range(0, rows, stripe_rows):
-        n = min(stripe_rows, rows - r0)
-        raw = buf[: n * row_bytes]
-        reader.read_into(entry, r0 * row_bytes, raw)
-        try:
-            q, s = quantize_block_fp8(raw.view(dtype).view(n, cols), block)
-        except ValueError as exc:
-            raise QuantizeError(f"{entry.name} rows {r0}..{r0 + n}: {exc}",
-                                hint="the source weights are damaged; exclude the module or fix the source") from exc
-        writer.write(entry.name, q.view(torch.uint8).numpy())
-        scales.append(s)
-        yield n * row_bytes
+
+    def written(limit: int):
+        while len(pending) > limit:
+            future, r0, n = pending.popleft()
+            try:
+                q, s = future.result()
+            except ValueError as exc:
+                raise QuantizeError(f"{entry.name} rows {r0}..{r0 + n}: {exc}",
+                                    hint="the source weights are damaged; exclude the module or fix "
+                                         "the source") from exc
+            writer.write(entry.name, q.view(torch.uint8).numpy())
+            scales.append(s)
+            yield n * row_bytes
+
+    try:
+        for r0 in range(0, rows, read_rows):
+            n = min(read_rows, rows - r0)
+            raw = torch.empty(n * row_bytes, dtype=torch.uint8)
+            reader.read_into(entry, r0 * row_bytes, raw)
+            matrix = raw.view(dtype).view(n, cols)
+            for s0 in range(0, n, stripe_rows):
+                k = min(stripe_rows, n - s0)
+                pending.append((pool.submit(quantize_block_fp8, matrix[s0:s0 + k], block), r0 + s0, k))
+            yield from written(2 * (read_rows // stripe_rows))
+        yield from written(0)
+    finally:
+        for future, _, _ in pending:
+            future.cancel()
     writer.write(f"{module_of(entry.name)}.weight_scale_inv", torch.cat(scales).numpy())
+
+
+@contextlib.contextmanager
+def _quantize_pool():
+    """Worker threads for stripes; torch ops release the GIL, so each runs single-threaded.
+
+    Cache-sized stripes on one thread each beat torch's own intra-op threads on big stripes (and
+    degrade gracefully on a busy machine, where OpenMP barriers stall).
+    """
+    import torch
+
+    workers = max(1, min(16, len(os.sched_getaffinity(0))))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="glmctl-fp8") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _write_metadata(job: ConversionJob, ckpt: Checkpoint, plan: Fp8Plan, result: Fp8Result) -> None:

@@ -1,0 +1,180 @@
+"""`glmctl quantize ...`: checkpoint conversion. Each converter is one subcommand of this group.
+
+To add one (e.g. `exl3`): write its library module under `quantize/`, then a function here that
+parses options, calls it inside `_progress(out, ...)`, and renders its result; register it with
+`@app.command("NAME", epilog=examples(...))`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from glmctl._cli.options import JsonOpt, QuietOpt, examples
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from glmctl._cli.output import Output
+    from glmctl.quantize.fp8_convert import Fp8Result
+    from glmctl.quantize.verify import VerifyResult
+
+app = typer.Typer(help="Convert checkpoints: block-FP8 weights for vLLM, and verify the result.",
+                  no_args_is_help=True)
+
+SrcArg = Annotated[Path, typer.Argument(help="Source checkpoint directory (config.json + *.safetensors).")]
+DstArg = Annotated[Path, typer.Argument(help="Output directory; created by renaming a finished temp dir.")]
+EXIT_CODES = ("Exit codes: 0 done; 1 damaged input (missing shard, bad header), disk full or I/O error, "
+              "verification failed; 2 bad options or config, DST not empty, resume with other settings; "
+              "130 interrupted (rerun with --resume).")
+
+
+def _progress(out: Output, label: str, run: Callable[[Callable[[int, int], None]], object]):
+    """Run `run(on_progress)` under a bytes/s progress bar (human mode on a terminal only)."""
+    with out.progress() as bar:
+        task = bar.add_task(label, total=None)
+        return run(lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _split(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(v.strip() for item in values or [] for v in item.split(",") if v.strip())
+
+
+def fp8(
+    src: SrcArg,
+    dst: DstArg,
+    modules: Annotated[list[str] | None, typer.Option(
+        "--modules", metavar="GLOB",
+        help="Module-name globs to convert (repeat or comma-separate). Default: the attention "
+             "projections of KDA and MLA layers (see docs).")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(
+        "--exclude", metavar="GLOB", help="Module-name globs to leave unconverted.")] = None,
+    block: Annotated[int, typer.Option("--block", help="Block edge B: one fp32 scale per BxB block.")] = 128,
+    embeddings: Annotated[bool, typer.Option(
+        "--embeddings", help="Also convert embeddings and LM heads (vLLM 0.30 cannot load those in FP8).")] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an interrupted conversion from its last finished shard.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace a non-empty DST (once the new one is complete) or discard a partial run.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be converted; write nothing.")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Convert selected linear weights to block-scaled FP8 (e4m3, one fp32 scale per BxB block).
+
+    Streams shard by shard and tensor by tensor; writes config.json with the quantization_config
+    vLLM 0.30 reads (quant_method fp8, weight_block_size, modules_to_not_convert) and a new index.
+    Tensors already in FP8 pass through; norms, routers, convs, biases and KDA gate parameters are
+    never touched.
+    """
+    from glmctl._cli.output import Output
+    from glmctl.quantize.fp8_convert import convert_fp8
+    from glmctl.quantize.fp8_plan import DEFAULT_MODULES, Fp8Settings
+
+    out = Output.from_flags(json_, quiet)
+    settings = Fp8Settings(block=block, modules=_split(modules) or DEFAULT_MODULES,
+                           exclude=_split(exclude), embeddings=embeddings)
+    result = _progress(out, "fp8", lambda cb: convert_fp8(
+        src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
+    out.result(result, render=lambda console: _render_fp8(console, result))
+
+
+fp8.epilog = examples(
+    "glmctl quantize fp8 /models/GLM-5.3-Flash /models/GLM-5.3-Flash-attn-fp8",
+    "glmctl quantize fp8 SRC DST --dry-run --modules '*.self_attn.*_proj' --exclude '*.indexer.*'",
+    "glmctl quantize fp8 SRC DST --resume",
+) + "\n\n" + EXIT_CODES
+
+
+def verify(
+    dst: Annotated[Path, typer.Argument(help="Converted checkpoint directory.")],
+    reference: Annotated[Path | None, typer.Option(
+        "--reference", metavar="SRC", help="The source checkpoint: adds per-tensor dequantisation error.")] = None,
+    min_snr_db: Annotated[float, typer.Option(
+        "--min-snr-db", help="Fail when a converted tensor's SNR vs the reference is below this (dB).")] = 25.0,  # = verify.DEFAULT_MIN_SNR_DB
+    top: Annotated[int, typer.Option("--top", help="Rows of worst tensors to show (human mode).")] = 10,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Check a block-FP8 checkpoint: structure, scales, config vs tensors, and error vs --reference."""
+    from glmctl._cli.output import Output
+    from glmctl.quantize.verify import verify_fp8
+
+    out = Output.from_flags(json_, quiet)
+    result = _progress(out, "verify", lambda cb: verify_fp8(dst, reference, min_snr_db=min_snr_db, on_progress=cb))
+    data = {**_asdict(result), "ok": result.ok, "worst_snr_db": result.worst_snr_db,
+            "max_rel_rms": result.max_rel_rms}
+    out.result(data, render=lambda console: _render_verify(console, result, top))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+verify.epilog = examples(
+    "glmctl quantize verify /models/GLM-5.3-Flash-attn-fp8",
+    "glmctl quantize verify DST --reference /models/GLM-5.3-Flash --json",
+) + "\n\n" + EXIT_CODES
+
+app.command("fp8", epilog=fp8.epilog)(fp8)
+app.command("verify", epilog=verify.epilog)(verify)
+
+
+def _asdict(obj) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _render_fp8(console: Console, r: Fp8Result) -> None:
+    from rich.table import Table
+
+    title = f"{'Plan (dry run; nothing written)' if r.dry_run else 'Converted'}: {r.src} -> {r.dst}"
+    table = Table(title=title, title_justify="left")
+    for col in ("module", "tensors", "before", "after", "with stock vLLM 0.30"):
+        table.add_column(col, justify="right" if col in ("tensors", "before", "after") else "left")
+    for row in r.roles:
+        table.add_row(row.role, str(row.tensors), _size(row.bytes_in), _size(row.bytes_out), row.fate)
+    console.print(table)
+    saved = r.bytes_in - r.bytes_out
+    console.print(f"{r.tensors_quantized} tensors converted, {r.tensors_kept_fp8} already FP8, "
+                  f"{r.tensors_copied} copied unchanged; weights {_size(r.bytes_in)} -> {_size(r.bytes_out)} "
+                  f"({saved / max(r.bytes_in, 1):.1%} smaller), {r.shards} shard(s)")
+    if not r.dry_run:
+        resumed = f", {r.shards_resumed} shard(s) from the earlier run" if r.shards_resumed else ""
+        console.print(f"{r.seconds:.1f} s, {_size(r.read_bytes_per_s)}/s of source weights{resumed}")
+    for note in r.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _render_verify(console: Console, r: VerifyResult, top: int) -> None:
+    from rich.table import Table
+
+    state = "[green]OK[/green]" if r.ok else "[red]FAILED[/red]"
+    console.print(f"{r.path}: {state} - {r.shards} shard(s), {r.tensors} tensors, {r.fp8_weights} FP8 "
+                  f"weights in {r.block}x{r.block} blocks" if r.block else f"{r.path}: {state}")
+    for p in r.problems:
+        console.print(f"[red]problem:[/red] {p}")
+    if not r.reference:
+        return
+    console.print(f"vs {r.reference}: {r.identical} tensors byte-identical, {len(r.errors)} converted")
+    if not r.errors:
+        return
+    console.print(f"worst SNR {r.worst_snr_db:.2f} dB (limit {r.min_snr_db:g} dB), "
+                  f"max relative RMS error {r.max_rel_rms:.4f}")
+    table = Table(title=f"Worst {min(top, len(r.errors))} tensors by SNR", title_justify="left")
+    for col in ("tensor", "shape", "rel RMS", "max |err|", "SNR dB"):
+        table.add_column(col, justify="left" if col == "tensor" else "right")
+    for e in sorted(r.errors, key=lambda e: e.snr_db)[:top]:
+        snr = f"{e.snr_db:.2f}" if e.ok else f"[red]{e.snr_db:.2f}[/red]"
+        table.add_row(e.name, "x".join(map(str, e.shape)), f"{e.rel_rms:.4f}", f"{e.max_abs:.3g}", snr)
+    console.print(table)
