@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glmctl.errors import ConfigError, UsageError
 from glmctl.quantize.safetensors_io import CheckpointError, ShardHeader, TensorEntry, read_header
+
+from glmctl.errors import ConfigError, UsageError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

@@ -32,11 +32,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from glmctl.errors import UsageError
 from glmctl.quantize.checkpoint import Checkpoint
 from glmctl.quantize.fp8 import scale_shape
-from glmctl.quantize.glm5next import FATE_TEXT, LayerKinds, experts_module, fused_group_of, vllm_fate
+from glmctl.quantize.glm5next import (
+    FATE_TEXT,
+    LayerKinds,
+    experts_module,
+    fused_group_of,
+    vllm_fate,
+)
 from glmctl.quantize.safetensors_io import FLOAT_DTYPES, PlannedTensor, ShardHeader, TensorEntry
+
+from glmctl.errors import UsageError
 
 DEFAULT_MODULES: tuple[str, ...] = (
     # KDA (linear-attention layers)

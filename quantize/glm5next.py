@@ -35,6 +35,9 @@ from typing import Literal
 
 Fate = Literal["fp8", "bf16_at_load", "rejected", "unknown"]
 
+FATE_SHORT: dict[str, str] = {
+    "fp8": "FP8", "bf16_at_load": "BF16 at load", "rejected": "needs plugin", "unknown": "?",
+}
 FATE_TEXT: dict[str, str] = {
     "fp8": "kept in FP8 by vLLM 0.30",
     "bf16_at_load": "dequantised to BF16 at load by vLLM 0.30 (smaller on disk only)",

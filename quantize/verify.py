@@ -88,7 +88,7 @@ def verify_fp8(path: Path, reference: Path | None = None, *, min_snr_db: float =
                             "bytes of tensors in the shards")
     fp8 = sorted(n for n, (_, e) in entries.items() if e.dtype in FP8_DTYPES and n.endswith(".weight"))
     result.fp8_weights = len(fp8)
-    for name, (_, e) in sorted(entries.items()):
+    for name in sorted(entries):
         if name.endswith(".weight_scale_inv"):
             w = entries.get(name.removesuffix("_scale_inv"))
             if w is None or w[1].dtype not in FP8_DTYPES:

@@ -49,7 +49,7 @@ def fp8(
     modules: Annotated[list[str] | None, typer.Option(
         "--modules", metavar="GLOB",
         help="Module-name globs to convert (repeat or comma-separate). Default: the attention "
-             "projections of KDA and MLA layers (see docs).")] = None,
+             "projections of KDA and MLA layers (listed above).")] = None,
     exclude: Annotated[list[str] | None, typer.Option(
         "--exclude", metavar="GLOB", help="Module-name globs to leave unconverted.")] = None,
     block: Annotated[int, typer.Option("--block", help="Block edge B: one fp32 scale per BxB block.")] = 128,
@@ -65,10 +65,9 @@ def fp8(
 ) -> None:
     """Convert selected linear weights to block-scaled FP8 (e4m3, one fp32 scale per BxB block).
 
-    Streams shard by shard and tensor by tensor; writes config.json with the quantization_config
-    vLLM 0.30 reads (quant_method fp8, weight_block_size, modules_to_not_convert) and a new index.
-    Tensors already in FP8 pass through; norms, routers, convs, biases and KDA gate parameters are
-    never touched.
+    Streams shard by shard and tensor by tensor into a hidden directory beside DST, renamed to DST when complete, with a new index and a config.json whose quantization_config is the one vLLM 0.30 reads (quant_method fp8, weight_block_size, modules_to_not_convert). Tensors already in FP8 pass through; norms, routers, convs, biases and KDA gate parameters are never touched.
+
+    Default --modules: KDA q/k/v/o_proj, MLA q_a/q_b/kv_a_proj_with_mqa/kv_b/o_proj, indexer wq_b/wk. The table says what stock vLLM 0.30 does with each in FP8: keeps it FP8, dequantises it to BF16 at load, or needs the glmctl plugin.
     """
     from glmctl._cli.output import Output
     from glmctl.quantize.fp8_convert import convert_fp8
@@ -77,8 +76,15 @@ def fp8(
     out = Output.from_flags(json_, quiet)
     settings = Fp8Settings(block=block, modules=_split(modules) or DEFAULT_MODULES,
                            exclude=_split(exclude), embeddings=embeddings)
-    result = _progress(out, "fp8", lambda cb: convert_fp8(
-        src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
+    try:
+        result = _progress(out, "fp8", lambda cb: convert_fp8(
+            src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
+    except KeyboardInterrupt:
+        from glmctl.quantize.job import partial_dir_for
+
+        out.warn(f"interrupted; finished shards are kept in {partial_dir_for(dst.absolute(), 'fp8')}: "
+                 "rerun the same command with --resume")
+        raise typer.Exit(130) from None
     out.result(result, render=lambda console: _render_fp8(console, result))
 
 
@@ -138,13 +144,18 @@ def _size(n: float) -> str:
 def _render_fp8(console: Console, r: Fp8Result) -> None:
     from rich.table import Table
 
+    from glmctl.quantize.glm5next import FATE_SHORT, FATE_TEXT
+
     title = f"{'Plan (dry run; nothing written)' if r.dry_run else 'Converted'}: {r.src} -> {r.dst}"
     table = Table(title=title, title_justify="left")
-    for col in ("module", "tensors", "before", "after", "with stock vLLM 0.30"):
+    for col in ("module", "tensors", "before", "after", "vLLM 0.30"):
         table.add_column(col, justify="right" if col in ("tensors", "before", "after") else "left")
     for row in r.roles:
-        table.add_row(row.role, str(row.tensors), _size(row.bytes_in), _size(row.bytes_out), row.fate)
+        table.add_row(row.role, str(row.tensors), _size(row.bytes_in), _size(row.bytes_out),
+                      FATE_SHORT.get(row.fate, row.fate))
     console.print(table)
+    for fate in sorted({row.fate for row in r.roles}):
+        console.print(f"  [dim]{FATE_SHORT.get(fate, fate)}: {FATE_TEXT.get(fate, fate)}[/dim]")
     saved = r.bytes_in - r.bytes_out
     console.print(f"{r.tensors_quantized} tensors converted, {r.tensors_kept_fp8} already FP8, "
                   f"{r.tensors_copied} copied unchanged; weights {_size(r.bytes_in)} -> {_size(r.bytes_out)} "

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import filecmp
+import os
 import shutil
 from pathlib import Path
-
-import pytest
 
 SMALL = dict(layers=4, hidden=256, vocab=256, kda_heads=2, mla_heads=2, q_lora=128, kv_lora=256,
              head_dim=128, index_heads=4, intermediate=256, experts=2, moe_intermediate=128,
              layers_per_shard=2)
 
 
-@pytest.fixture(scope="session")
-def synthetic_src(tmp_path_factory) -> Path:
-    """A small GLM-5.3-Flash-named bf16 checkpoint (3 shards); copy it before modifying it."""
+def make_synthetic(tmp_path_factory) -> Path:
+    """A small GLM-5.3-Flash-named bf16 checkpoint (2 shards); copy it before modifying it."""
     from glmctl.quantize.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic") / "src", SyntheticSpec(**SMALL))
@@ -35,8 +33,16 @@ def cli(*args: str) -> tuple[int, str, str]:
     from glmctl.app import app
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = run_guarded(lambda: app([*args], prog_name="glmctl"))
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "4000"  # Rich wraps at 80 columns off a terminal; keep messages whole
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_guarded(lambda: app([*args], prog_name="glmctl"))
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return code, out.getvalue(), err.getvalue()
 
 
@@ -49,4 +55,5 @@ def same_tree(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> list[str]:
 
 
 def looks_like_checkpoint(path: Path) -> bool:
-    return path.exists() and ((path / "config.json").exists() or any(path.glob("*.safetensors")))
+    """What loaders need to take a directory for a checkpoint: config.json (and an index)."""
+    return (path / "config.json").exists() or (path / "model.safetensors.index.json").exists()

@@ -10,9 +10,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from glmctl.errors import ConfigError, UsageError  # noqa: E402
 from glmctl.quantize.checkpoint import open_checkpoint  # noqa: E402
 from glmctl.quantize.job import JOB_FILE, ConversionJob, OutputError, partial_dir_for  # noqa: E402
 from glmctl.quantize.safetensors_io import (  # noqa: E402
@@ -22,6 +19,9 @@ from glmctl.quantize.safetensors_io import (  # noqa: E402
     ShardWriter,
     read_header,
 )
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from glmctl.errors import ConfigError, UsageError  # noqa: E402
 
 
 def _shard(path: Path, tensors: dict | None = None) -> Path:
