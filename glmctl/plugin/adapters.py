@@ -1,0 +1,55 @@
+"""Install the GLM-5.3-Flash adapters into vLLM (called once per process by `activation`)."""
+
+from __future__ import annotations
+
+from glmctl.plugin.policy import Target
+
+SPARSE_BACKEND_PATH = "glmctl.plugin.sparse_mla.GlmctlSparseMLABackend"
+
+
+def install(target: Target) -> list[str]:
+    # vLLM's GLM-5.3-Flash package must be imported before its indexer op module (the two
+    # import each other; this is the order vLLM itself uses).
+    import vllm.models.glm5next  # noqa: F401
+
+    installed = [_install_backend_selection(), _register_indexer()]
+    if target is Target.TORCH:
+        from glmctl.plugin import cpu_ops
+
+        installed += cpu_ops.install()
+    return installed
+
+
+def _install_backend_selection() -> str:
+    """Sparse MLA layers get our backend; every other layer is selected by vLLM as shipped."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # Also reachable as `--attention-backend CUSTOM`, vLLM's slot for out-of-tree backends.
+    if not AttentionBackendEnum.CUSTOM.is_overridden():
+        register_backend(AttentionBackendEnum.CUSTOM, SPARSE_BACKEND_PATH)
+
+    platform_cls = type(current_platform)
+    if getattr(platform_cls.get_attn_backend_cls, "_glmctl", False):
+        return "sparse-MLA backend"
+    stock = platform_cls.get_attn_backend_cls
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_mla and attn_selector_config.use_sparse:
+            return SPARSE_BACKEND_PATH
+        return stock(selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls._glmctl = True
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    return "sparse-MLA backend"
+
+
+def _register_indexer() -> str:
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.sparse_attn_indexer_kpool import SparseAttnIndexerKpool
+
+    from glmctl.plugin.indexer import GlmctlKpoolIndexer
+
+    if SparseAttnIndexerKpool.__name__ not in op_registry_oot:
+        SparseAttnIndexerKpool.register_oot(GlmctlKpoolIndexer)
+    return "kpool indexer"

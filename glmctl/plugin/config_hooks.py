@@ -1,0 +1,45 @@
+"""Config defaults GLM-5.3-Flash needs on the platforms where the plugin acts.
+
+Runs inside the platform's `check_and_update_config`, around vLLM's own version (`stock`), and
+only for GLM-5.3-Flash (see `activation`). Every change is logged by vLLM's config dump and is
+the minimum that lets the model run; nothing here applies to other models.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from glmctl.plugin.policy import Target, kpool_block_size
+
+logger = logging.getLogger("vllm.glmctl")
+
+
+def update_glm5_next_config(vllm_config, stock, target: Target | None) -> None:
+    if target is Target.TORCH:
+        # The model registers tilelang (mHC) and Triton JIT warmups; neither exists on CPU.
+        vllm_config.kernel_config.enable_jit_warmup = False
+    stock(vllm_config)
+    if target is Target.TORCH:
+        _fix_cpu_cache_config(vllm_config)
+
+
+def _fix_cpu_cache_config(vllm_config) -> None:
+    cache_config = vllm_config.cache_config
+    model_config = vllm_config.model_config
+    text_config = model_config.hf_text_config
+
+    # vLLM CPU pins block_size=16 for its CPU_MLA decode kernel, which GLM-5.3-Flash never
+    # uses (our sparse backend serves its MLA layers); the kpool indexer cache needs a
+    # multiple of 32 * index_kpool.
+    if getattr(text_config, "index_topk", None):
+        wanted = kpool_block_size(cache_config.block_size, getattr(text_config, "index_kpool", None))
+        if wanted != cache_config.block_size:
+            cache_config.block_size = wanted
+
+    # vLLM CPU turns prefix caching off for MLA models *after* the hybrid-model defaults set
+    # mamba_block_size for prefix caching, which then fails validation
+    # ("--mamba-block-size can only be set with --enable-prefix-caching"). Restore the
+    # no-prefix-caching defaults vLLM uses for hybrid models.
+    if not cache_config.enable_prefix_caching and not cache_config.user_specified_mamba_block_size:
+        cache_config.mamba_cache_mode = "none"
+        cache_config.mamba_block_size = model_config.max_model_len

@@ -1,0 +1,228 @@
+"""The kpool lightning indexer for GLM-5.3-Flash, without DeepGEMM.
+
+Replaces vLLM's `SparseAttnIndexerKpool` custom op (registered out-of-tree under that class
+name, so `Glm5NextIndexer` builds ours). It consumes exactly what vLLM 0.30 allocates and
+builds: the pooled FP8 key cache (`Glm5NextIndexerCache`, one entry per `index_kpool` tokens),
+the raw tail cache of the incomplete pool (`Glm5NextTailCache`), and vLLM's
+`DeepseekV32IndexerMetadata` for both. Per step it
+
+1. writes the cache: prefill tokens are pooled and written at their pool slot, the trailing
+   incomplete pool of each prefill is seeded into the tail cache; decode tokens (including
+   MTP verify tokens, in position order) update the tail and complete pools as they fill;
+2. selects, for every query token, the top `index_topk // index_kpool` visible pools by the
+   indexer logits, expands them to tokens and appends the query's own incomplete pool
+   ("always select tail"), writing request-local token indices (-1 padded) into the shared
+   top-k buffer that the sparse-MLA backend reads.
+
+The maths lives in the kernels (torch references on CPU, Triton on CUDA); this class only maps
+vLLM's metadata onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.sparse_attn_indexer_kpool import SparseAttnIndexerKpool
+from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
+
+from glmctl.plugin.kernel_table import indexer_kernels
+
+
+class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
+    """Drop-in for vLLM's kpool indexer op; same constructor, same call signature."""
+
+    def __init__(self, k_cache, quant_block_size, scale_fmt, topk_tokens, head_dim,
+                 max_model_len, max_total_seq_len, topk_indices_buffer,
+                 skip_k_cache_insert=False, use_fp4_cache=False, tail_cache=None):
+        # vLLM's __init__ refuses to build without DeepGEMM; that is the dependency we remove.
+        torch.nn.Module.__init__(self)
+        self._enforce_enable = True
+        self._forward_method = self._forward_kpool
+        self.k_cache = k_cache
+        self.tail_cache = tail_cache
+        self.quant_block_size = quant_block_size
+        self.scale_fmt = scale_fmt
+        self.topk_tokens = topk_tokens
+        self.head_dim = head_dim
+        self.max_model_len = max_model_len
+        self.max_total_seq_len = max_total_seq_len
+        self.topk_indices_buffer = topk_indices_buffer
+        self.skip_k_cache_insert = skip_k_cache_insert
+        if use_fp4_cache:
+            raise NotImplementedError("glmctl's kpool indexer supports the FP8 indexer cache only")
+        self.use_fp4_cache = False
+        self.kernels = indexer_kernels()
+
+    @classmethod
+    def enabled(cls) -> bool:
+        return True
+
+    def forward(self, *args, **kwargs):
+        return self._forward_kpool(*args, **kwargs)
+
+    def _forward_kpool(self, hidden_states, q_quant, k, weights, *, gate_score=None,
+                       compress_ape=None, index_kpool=1, positions=None):
+        buffer = self.topk_indices_buffer
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict):
+            return buffer  # profiling / dummy run: no cache, nothing to select
+        meta = metadata[self.k_cache.prefix]
+        assert isinstance(meta, DeepseekV32IndexerMetadata)
+        assert index_kpool > 1 and gate_score is not None and compress_ape is not None
+        assert positions is not None
+        tail_meta = metadata.get(self.tail_cache.prefix) if self.tail_cache is not None else None
+        if isinstance(q_quant, tuple):
+            q_quant = q_quant[0]
+
+        num_tokens = meta.slot_mapping.shape[0]
+        k = k[:num_tokens]
+        gate_score = gate_score[:num_tokens]
+        if not self.skip_k_cache_insert:
+            self._write_prefill(meta, tail_meta, k, gate_score, compress_ape, index_kpool)
+            self._write_decode(meta, tail_meta, k, gate_score, compress_ape, index_kpool, positions)
+
+        buffer[: hidden_states.shape[0]] = -1
+        if meta.num_prefills > 0:
+            self._select_prefill(meta, q_quant, weights, index_kpool, positions)
+        if meta.num_decodes > 0:
+            self._select_decode(meta, q_quant, weights, index_kpool, positions)
+        return buffer
+
+    # -- cache writes ---------------------------------------------------------------------
+
+    def _write_prefill(self, meta, tail_meta, k, gate, ape, kpool):
+        start, end = meta.num_decode_tokens, meta.slot_mapping.shape[0]
+        if end - start < 1:
+            return
+        k_pf, gate_pf, slots = k[start:end], gate[start:end], meta.slot_mapping[start:end]
+        n = end - start
+        if n >= kpool:
+            # Every token whose slot is valid closes a pool made of itself and the kpool - 1
+            # tokens before it (prefill chunks start pool-aligned).
+            pos = torch.arange(n, device=k.device)
+            window = (pos - (kpool - 1)).clamp_min(0)[:, None] + torch.arange(kpool, device=k.device)
+            write = (slots >= 0) & (pos >= kpool - 1)
+            self.kernels.kpool_compress_and_write_cache(
+                self.k_cache.kv_cache, k_pf[window], gate_pf[window], ape, slots.to(torch.int64),
+                pool_size=kpool, head_dim=self.head_dim, write_mask=write, round_scale=True,
+            )
+        if tail_meta is not None and self.tail_cache.kv_cache.numel() > 0:
+            self.kernels.kpool_seed_tail_cache(
+                self.tail_cache.kv_cache, k_pf, gate_pf, tail_meta.slot_mapping[start:end],
+                kpool, self.head_dim,
+            )
+
+    def _write_decode(self, meta, tail_meta, k, gate, ape, kpool, positions):
+        n = meta.num_decode_tokens
+        if n == 0 or tail_meta is None:
+            return
+        lens = meta.decode.per_req_decode_lens
+        num_requests = meta.num_decodes
+        grouped = _group_by_request(lens, num_requests, n)
+        self.kernels.kpool_decode_update_and_maybe_write_cache_batched(
+            self.k_cache.kv_cache,
+            self.tail_cache.kv_cache,
+            grouped(tail_meta.slot_mapping[:n], -1),
+            grouped(k[:n], 0),
+            grouped(gate[:n], 0),
+            ape,
+            grouped(meta.slot_mapping[:n], -1),
+            grouped(positions[:n].to(torch.int32), -1),
+            kpool,
+            self.head_dim,
+            round_scale=True,
+        )
+
+    # -- top-k selection ------------------------------------------------------------------
+
+    def _select_prefill(self, meta, q_quant, weights, kpool, positions):
+        buffer, topk = self.topk_indices_buffer, self.topk_tokens
+        prefill = meta.prefill
+        start, end = meta.num_decode_tokens, meta.slot_mapping.shape[0]
+        if 0 <= prefill.max_prefill_seq_len <= topk:
+            _fill_causal(buffer[start:end], positions[start:end])
+            return
+        for chunk in prefill.chunks:
+            k_fp8, k_scale = self.kernels.gather_indexer_k_cache(
+                self.k_cache.kv_cache, chunk.block_table, chunk.cu_seq_lens,
+                chunk.total_seq_lens, self.head_dim,
+            )
+            rows = slice(chunk.token_start, chunk.token_end)
+            logits = self.kernels.mqa_logits(
+                q_quant[rows], k_fp8, k_scale, weights[rows], chunk.cu_seqlen_ks,
+                chunk.cu_seqlen_ke,
+            )
+            pool_ids = self.kernels.top_k_rows(
+                logits, chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, topk // kpool
+            )
+            seq_tokens = positions[rows].to(torch.int32) + 1
+            expanded = self.kernels.expand_pools_and_append_tail(pool_ids, seq_tokens, kpool)
+            buffer[rows, : expanded.shape[1]] = expanded
+
+    def _select_decode(self, meta, q_quant, weights, kpool, positions):
+        buffer, topk = self.topk_indices_buffer, self.topk_tokens
+        decode = meta.decode
+        n = meta.num_decode_tokens
+        if meta.max_seq_len <= topk:
+            _fill_causal(buffer[:n], positions[:n])
+            return
+        lens = decode.decode_lens
+        batch = lens.shape[0]
+        if decode.requires_padding:
+            next_n = int(lens.max())
+            grouped = _group_by_request(lens, batch, n, width=next_n)
+            q = grouped(q_quant[:n], 0)
+            w = grouped(weights[:n], 0).reshape(batch * next_n, -1)
+            seq_tokens = grouped(positions[:n].to(torch.int32), -1).reshape(-1) + 1
+        else:
+            next_n = n // batch
+            q = q_quant[:n].reshape(batch, next_n, *q_quant.shape[1:])
+            w = weights[:n]
+            seq_tokens = positions[:n].to(torch.int32) + 1
+        context = decode.seq_lens.reshape(batch, -1)[:, -next_n:] if decode.seq_lens.dim() == 2 \
+            else decode.seq_lens.reshape(batch, 1)
+        if context.shape[1] != next_n:
+            context = context.expand(batch, next_n)
+        logits = self.kernels.paged_mqa_logits(
+            q, self.k_cache.kv_cache, w, context, decode.block_table, self.max_model_len,
+            self.head_dim,
+        )
+        zeros = torch.zeros(batch * next_n, dtype=torch.int32, device=logits.device)
+        pool_ids = self.kernels.top_k_rows(logits, zeros, context.reshape(-1), topk // kpool)
+        expanded = self.kernels.expand_pools_and_append_tail(pool_ids, seq_tokens, kpool)
+        if decode.requires_padding:
+            keep = _padded_row_index(lens, next_n)
+            expanded = expanded[keep]
+        buffer[: expanded.shape[0], : expanded.shape[1]] = expanded
+
+
+def _fill_causal(rows: torch.Tensor, positions: torch.Tensor) -> None:
+    """Every token up to and including the query: the exact causal set (short contexts)."""
+    cols = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int32)
+    rows.copy_(torch.where(cols[None] <= positions.to(torch.int32)[:, None], cols[None], -1))
+
+
+def _group_by_request(lens: torch.Tensor, num_requests: int, num_tokens: int,
+                      width: int | None = None):
+    """Scatter flat per-token tensors into [num_requests, width, ...] in token order."""
+    lens = lens[:num_requests].to(torch.int64)
+    width = int(lens.max()) if width is None else width
+    req = torch.repeat_interleave(torch.arange(num_requests, device=lens.device), lens,
+                                  output_size=num_tokens)
+    starts = torch.cumsum(lens, 0) - lens
+    intra = torch.arange(num_tokens, device=lens.device) - starts[req]
+
+    def grouped(values: torch.Tensor, pad) -> torch.Tensor:
+        out = values.new_full((num_requests, width, *values.shape[1:]), pad)
+        out[req, intra] = values
+        return out
+
+    return grouped
+
+
+def _padded_row_index(lens: torch.Tensor, width: int) -> torch.Tensor:
+    lens = lens.to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    intra = torch.arange(req.shape[0], device=lens.device) - starts[req]
+    return req * width + intra

@@ -1,0 +1,111 @@
+"""When the plugin acts: pure decisions over facts about the platform and the model.
+
+No vLLM or torch import here, so the rules are unit-testable anywhere and readable in one place.
+
+The plugin acts in two stages, because vLLM loads general plugins before it knows the model:
+
+1. `decide_platform` runs in `register()`: is this a platform where GLM-5.3-Flash needs us
+   (vLLM's CPU platform; CUDA below compute capability 9), or did the user ask for us
+   (`GLMCTL_PLUGIN=on`)? If not, the plugin installs nothing at all.
+2. `is_glm5_next` runs when vLLM builds its config: only a GLM-5.3-Flash model activates the
+   adapters; any other model leaves vLLM exactly as shipped.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+ENV_MODE = "GLMCTL_PLUGIN"
+# Set by the process that saw a GLM-5.3-Flash config, inherited by the engine and worker
+# processes vLLM spawns afterwards, so they activate before the model is built.
+ENV_ACTIVE = "GLMCTL_PLUGIN_ACTIVE"
+
+GLM5_NEXT_MODEL_TYPES = frozenset({"glm5_next", "glm5_next_text", "glm5_next_mtp"})
+GLM5_NEXT_ARCHITECTURES = frozenset(
+    {"Glm5NextForCausalLM", "Glm5NextForConditionalGeneration", "Glm5NextMTP"}
+)
+
+
+class PluginMode(str, enum.Enum):
+    AUTO = "auto"  # act where vLLM 0.30 cannot run GLM-5.3-Flash: CPU, CUDA < sm_90
+    ON = "on"  # act on any CUDA or CPU platform (e.g. our backend on sm_90 for comparison)
+    OFF = "off"  # never act
+
+    @classmethod
+    def parse(cls, raw: str | None) -> PluginMode:
+        value = (raw or "auto").strip().lower()
+        aliases = {"1": "on", "true": "on", "0": "off", "false": "off", "": "auto"}
+        value = aliases.get(value, value)
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"{ENV_MODE}={raw!r} is not one of auto, on, off"
+            ) from None
+
+
+@dataclass(frozen=True)
+class PlatformFacts:
+    kind: str  # "cpu", "cuda", or another vLLM platform name ("rocm", "xpu", ...)
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+
+    @property
+    def label(self) -> str:
+        if self.kind == "cuda" and self.capability is not None:
+            return f"cuda sm_{self.capability[0]}{self.capability[1]}"
+        return self.kind
+
+
+class Target(str, enum.Enum):
+    """Which kernels the adapters dispatch to."""
+
+    TORCH = "torch"  # the torch reference implementations (vLLM's CPU platform)
+    TRITON = "triton"  # the Triton kernels (CUDA)
+
+
+@dataclass(frozen=True)
+class PlatformDecision:
+    act: bool
+    reason: str
+    target: Target | None = None
+
+
+def decide_platform(mode: PluginMode, platform: PlatformFacts) -> PlatformDecision:
+    if mode is PluginMode.OFF:
+        return PlatformDecision(False, f"{ENV_MODE}=off")
+    if platform.kind == "cpu":
+        return PlatformDecision(True, "vLLM's CPU platform has no GLM-5.3-Flash path", Target.TORCH)
+    if platform.kind == "cuda":
+        major = platform.capability[0] if platform.capability else None
+        if major is not None and major < 9:
+            return PlatformDecision(
+                True, f"vLLM 0.30 has no sparse-MLA/indexer path below sm_90 ({platform.label})",
+                Target.TRITON,
+            )
+        if mode is PluginMode.ON:
+            return PlatformDecision(True, f"{ENV_MODE}=on ({platform.label})", Target.TRITON)
+        return PlatformDecision(
+            False, f"{platform.label} is served by vLLM's own kernels (set {ENV_MODE}=on to use ours)"
+        )
+    return PlatformDecision(False, f"platform {platform.label} is not supported by glmctl")
+
+
+def is_glm5_next(model_type: str | None, architectures: list[str] | tuple[str, ...] | None) -> bool:
+    """True for GLM-5.3-Flash checkpoints (text-only or multimodal, main model or MTP)."""
+    if model_type in GLM5_NEXT_MODEL_TYPES:
+        return True
+    return any(arch in GLM5_NEXT_ARCHITECTURES for arch in architectures or ())
+
+
+def kpool_block_size(block_size: int, index_kpool: int | None) -> int:
+    """Smallest KV block size >= `block_size` that the kpool indexer cache accepts.
+
+    vLLM stores one indexer entry per `index_kpool` tokens and splits each block's pool
+    entries into pages of 32 (its `Glm5NextIndexerCache` asserts this), so the block must be
+    a multiple of 32 * index_kpool.
+    """
+    if not index_kpool or index_kpool <= 1:
+        return block_size
+    unit = 32 * index_kpool
+    return max(unit, -(-block_size // unit) * unit)

@@ -1,0 +1,194 @@
+"""Sparse-MLA attention backend for GLM-5.3-Flash's indexed-attention layers.
+
+vLLM 0.30's sparse-MLA backends need sm_90+ (FlashMLA / FlashInfer) and vLLM CPU has none.
+This backend runs every query token (prefill, decode, MTP verify) through one absorbed-MQA
+path over the tokens the indexer selected: vLLM's `MLAAttention` projects queries into the
+512-d latent space (W_UK absorbed), we attend over the selected latent rows (V = latent) and
+vLLM applies W_UV. It reads the request-local top-k token indices from the indexer's shared
+buffer, maps them to cache rows through the block table, and hands rows to the kernels (torch
+on CPU, Triton on CUDA). KV cache: bf16, or vLLM's `fp8_ds_mla` byte layout.
+
+Everything here is CUDA-graph friendly: persistent buffers, no host reads in `forward_mqa`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MLAAttentionImpl,
+    MultipleOf,
+)
+
+from glmctl.plugin.kernel_table import sparse_mla_kernels
+
+BACKEND_NAME = "GLMCTL_SPARSE_MLA"
+
+
+class GlmctlSparseMLABackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "fp8_ds_mla"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @staticmethod
+    def get_builder_cls() -> type[GlmctlSparseMLAMetadataBuilder]:
+        return GlmctlSparseMLAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[GlmctlSparseMLAImpl]:
+        return GlmctlSparseMLAImpl
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [512, 576]  # GLM-5.3-Flash NoPE latent; 576 when a checkpoint keeps 64 rope dims
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability.major >= 8
+
+
+@dataclass
+class GlmctlSparseMLAMetadata(AttentionMetadata):
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    req_id_per_token: torch.Tensor
+    block_size: int
+    topk_tokens: int
+    # vLLM's MLA layer splits tokens into dense-MHA prefill and MQA "decode" by these counts.
+    # This backend has no dense prefill: every token is an MQA token.
+    num_decodes: int = 0
+    num_prefills: int = 0
+    num_decode_tokens: int = 0
+    prefill: None = None
+    decode: None = None
+
+
+class GlmctlSparseMLAMetadataBuilder(AttentionMetadataBuilder[GlmctlSparseMLAMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.topk_tokens = vllm_config.model_config.hf_text_config.index_topk
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.req_id_per_token = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> GlmctlSparseMLAMetadata:
+        cm = common_attn_metadata
+        starts = np.asarray(cm.query_start_loc_cpu, dtype=np.int64)
+        req_ids = np.repeat(np.arange(len(starts) - 1, dtype=np.int32), np.diff(starts))
+        # Padded (graph) tokens keep request 0; their top-k rows are -1 and never read.
+        self.req_id_per_token.zero_()
+        self.req_id_per_token[: req_ids.shape[0]].copy_(torch.from_numpy(req_ids), non_blocking=True)
+        return GlmctlSparseMLAMetadata(
+            num_reqs=cm.num_reqs,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=cm.query_start_loc,
+            slot_mapping=cm.slot_mapping,
+            block_table=cm.block_table_tensor,
+            req_id_per_token=self.req_id_per_token[: cm.num_actual_tokens],
+            block_size=self.kv_cache_spec.block_size,
+            topk_tokens=self.topk_tokens,
+            num_decodes=cm.num_reqs,
+            num_prefills=0,
+            num_decode_tokens=cm.num_actual_tokens,
+        )
+
+
+class GlmctlSparseMLAImpl(MLAAttentionImpl[GlmctlSparseMLAMetadata], SharedTopkIndicesBuffer):
+    is_sparse = True
+    supports_dense_mha_prefill = False
+    can_return_lse_for_decode = True
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                 kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                 topk_indices_buffer=None, indexer=None, **mla_args) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_lora_rank: int = mla_args["kv_lora_rank"]
+        self.init_topk_indices_buffer(indexer, topk_indices_buffer)
+        self.kernels = sparse_mla_kernels()
+
+    def record_logical_topk_ready(self) -> None:
+        """vLLM's MLA wrapper calls this after the indexer; nothing to publish here."""
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                           k_scale) -> None:
+        if kv_cache.numel() == 0:
+            return
+        block_size = kv_cache.shape[1]
+        rows, block_stride = cache_rows(kv_cache, block_size)
+        slots = slot_mapping.flatten().to(torch.int64)
+        flat = torch.where(slots >= 0, slots // block_size * block_stride + slots % block_size, -1)
+        self.kernels.mla_cache_write(kv_c_normed, k_pe, rows, flat, kv_cache_dtype)
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata: GlmctlSparseMLAMetadata, layer):
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1) if q[1].shape[-1] else q[0]
+        num_tokens = q.shape[0]
+        topk = self.topk_indices_buffer[:num_tokens]
+        rows, block_stride = cache_rows(kv_c_and_k_pe_cache, attn_metadata.block_size)
+        slots = request_tokens_to_rows(
+            topk, attn_metadata.req_id_per_token[:num_tokens], attn_metadata.block_table,
+            attn_metadata.block_size, block_stride,
+        )
+        out, lse = self.kernels.sparse_mla_attention(q, rows, slots, self.scale, self.kv_cache_dtype)
+        return out, lse
+
+
+def cache_rows(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+    """A flat [rows, width] view of a paged cache, and the row stride between its blocks.
+
+    vLLM may interleave other layers' pages between this layer's blocks (stride(0) larger
+    than block_size rows); those rows exist in the view but are never addressed.
+    """
+    num_blocks, _, width = kv_cache.shape
+    block_stride = kv_cache.stride(0) // width
+    num_rows = (num_blocks - 1) * block_stride + block_size if num_blocks else 0
+    return kv_cache.as_strided((num_rows, width), (width, 1)), block_stride
+
+
+def request_tokens_to_rows(token_idx: torch.Tensor, req_id: torch.Tensor,
+                           block_table: torch.Tensor, block_size: int,
+                           block_stride: int) -> torch.Tensor:
+    """Request-local token positions [T, W] (-1 invalid) -> flat cache rows (-1 kept)."""
+    valid = token_idx >= 0
+    tok = token_idx.clamp_min(0).to(torch.int64)
+    block_col = (tok // block_size).clamp_max(block_table.shape[1] - 1)
+    blocks = block_table[req_id.to(torch.int64)[:, None], block_col]
+    rows = blocks.to(torch.int64) * block_stride + tok % block_size
+    return torch.where(valid, rows, -1)
