@@ -12,7 +12,9 @@ def install(target: Target) -> list[str]:
     # import each other; this is the order vLLM itself uses).
     import vllm.models.glm5next  # noqa: F401
 
-    installed = [_install_backend_selection(), _register_indexer()]
+    from glmctl.plugin import model_hooks
+
+    installed = [_install_backend_selection(), _register_indexer(), model_hooks.install()]
     if target is Target.TORCH:
         from glmctl.plugin import cpu_ops
 

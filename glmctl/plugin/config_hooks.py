@@ -32,7 +32,8 @@ def _fix_cpu_cache_config(vllm_config) -> None:
     # uses (our sparse backend serves its MLA layers); the kpool indexer cache needs a
     # multiple of 32 * index_kpool.
     if getattr(text_config, "index_topk", None):
-        wanted = kpool_block_size(cache_config.block_size, getattr(text_config, "index_kpool", None))
+        wanted = kpool_block_size(cache_config.block_size, getattr(text_config, "index_kpool", None),
+                                  getattr(text_config, "index_head_dim", None) or 128)
         if wanted != cache_config.block_size:
             cache_config.block_size = wanted
 

@@ -189,7 +189,7 @@ def _install_indexer_helpers() -> None:
 
     from glmctl.plugin.kernel_table import indexer_kernels
 
-    attention.fwht128_quant_fp8 = indexer_kernels().fwht128_quant_fp8
+    attention.fwht128_quant_fp8 = indexer_kernels().q_quant
     attention._fused_indexer_k_norm = _indexer_k_norm
     attention._fused_indexer_weight_scale = _indexer_weight_scale
     attention._pad_indexer_heads = _pad_indexer_heads

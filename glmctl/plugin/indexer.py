@@ -92,34 +92,23 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
 
     def _write_prefill(self, meta, tail_meta, k, gate, ape, kpool):
         start, end = meta.num_decode_tokens, meta.slot_mapping.shape[0]
-        if end - start < 1:
+        if end <= start:
             return
-        k_pf, gate_pf, slots = k[start:end], gate[start:end], meta.slot_mapping[start:end]
-        n = end - start
-        if n >= kpool:
-            # Every token whose slot is valid closes a pool made of itself and the kpool - 1
-            # tokens before it (prefill chunks start pool-aligned).
-            pos = torch.arange(n, device=k.device)
-            window = (pos - (kpool - 1)).clamp_min(0)[:, None] + torch.arange(kpool, device=k.device)
-            write = (slots >= 0) & (pos >= kpool - 1)
-            self.kernels.kpool_compress_and_write_cache(
-                self.k_cache.kv_cache, k_pf[window], gate_pf[window], ape, slots.to(torch.int64),
-                pool_size=kpool, head_dim=self.head_dim, write_mask=write, round_scale=True,
-            )
+        k_pf, gate_pf = k[start:end], gate[start:end]
+        # Every token whose pool slot is valid closes a pool made of itself and the kpool - 1
+        # tokens before it (prefill chunks start pool-aligned).
+        self.kernels.prefill_write(self.k_cache.kv_cache, k_pf, gate_pf, ape,
+                                   meta.slot_mapping[start:end], kpool)
         if tail_meta is not None and self.tail_cache.kv_cache.numel() > 0:
-            self.kernels.kpool_seed_tail_cache(
-                self.tail_cache.kv_cache, k_pf, gate_pf, tail_meta.slot_mapping[start:end],
-                kpool, self.head_dim,
-            )
+            self.kernels.tail_seed(self.tail_cache.kv_cache, k_pf, gate_pf,
+                                   tail_meta.slot_mapping[start:end], kpool)
 
     def _write_decode(self, meta, tail_meta, k, gate, ape, kpool, positions):
         n = meta.num_decode_tokens
         if n == 0 or tail_meta is None:
             return
-        lens = meta.decode.per_req_decode_lens
-        num_requests = meta.num_decodes
-        grouped = _group_by_request(lens, num_requests, n)
-        self.kernels.kpool_decode_update_and_maybe_write_cache_batched(
+        grouped = _group_by_request(meta.decode.per_req_decode_lens, meta.num_decodes, n)
+        self.kernels.decode_update(
             self.k_cache.kv_cache,
             self.tail_cache.kv_cache,
             grouped(tail_meta.slot_mapping[:n], -1),
@@ -129,8 +118,6 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             grouped(meta.slot_mapping[:n], -1),
             grouped(positions[:n].to(torch.int32), -1),
             kpool,
-            self.head_dim,
-            round_scale=True,
         )
 
     # -- top-k selection ------------------------------------------------------------------
@@ -143,21 +130,18 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             _fill_causal(buffer[start:end], positions[start:end])
             return
         for chunk in prefill.chunks:
-            k_fp8, k_scale = self.kernels.gather_indexer_k_cache(
-                self.k_cache.kv_cache, chunk.block_table, chunk.cu_seq_lens,
-                chunk.total_seq_lens, self.head_dim,
+            k_fp8, k_scale = self.kernels.gather_keys(
+                self.k_cache.kv_cache, chunk.block_table, chunk.cu_seq_lens
             )
             rows = slice(chunk.token_start, chunk.token_end)
-            logits = self.kernels.mqa_logits(
-                q_quant[rows], k_fp8, k_scale, weights[rows], chunk.cu_seqlen_ks,
+            logits = self.kernels.logits_ragged(
+                q_quant[rows], weights[rows], k_fp8, k_scale, chunk.cu_seqlen_ks,
                 chunk.cu_seqlen_ke,
             )
-            pool_ids = self.kernels.top_k_rows(
-                logits, chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, topk // kpool
+            self.kernels.topk(
+                logits, positions[rows].to(torch.int32) + 1, buffer[rows], kpool=kpool,
+                select_pools=topk // kpool, row_starts=chunk.cu_seqlen_ks,
             )
-            seq_tokens = positions[rows].to(torch.int32) + 1
-            expanded = self.kernels.expand_pools_and_append_tail(pool_ids, seq_tokens, kpool)
-            buffer[rows, : expanded.shape[1]] = expanded
 
     def _select_decode(self, meta, q_quant, weights, kpool, positions):
         buffer, topk = self.topk_indices_buffer, self.topk_tokens
@@ -168,6 +152,8 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             return
         lens = decode.decode_lens
         batch = lens.shape[0]
+        # vLLM's decode layout: [batch, next_n] query rows, either uniform (a view of the token
+        # order) or padded per request (requires_padding); flattened decode is next_n = 1.
         if decode.requires_padding:
             next_n = int(lens.max())
             grouped = _group_by_request(lens, batch, n, width=next_n)
@@ -179,21 +165,19 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             q = q_quant[:n].reshape(batch, next_n, *q_quant.shape[1:])
             w = weights[:n]
             seq_tokens = positions[:n].to(torch.int32) + 1
-        context = decode.seq_lens.reshape(batch, -1)[:, -next_n:] if decode.seq_lens.dim() == 2 \
-            else decode.seq_lens.reshape(batch, 1)
+        context = decode.seq_lens.reshape(batch, -1)
         if context.shape[1] != next_n:
-            context = context.expand(batch, next_n)
-        logits = self.kernels.paged_mqa_logits(
-            q, self.k_cache.kv_cache, w, context, decode.block_table, self.max_model_len,
-            self.head_dim,
-        )
-        zeros = torch.zeros(batch * next_n, dtype=torch.int32, device=logits.device)
-        pool_ids = self.kernels.top_k_rows(logits, zeros, context.reshape(-1), topk // kpool)
-        expanded = self.kernels.expand_pools_and_append_tail(pool_ids, seq_tokens, kpool)
+            context = context[:, :1].expand(batch, next_n)
+        logits = self.kernels.logits_paged(q, w, self.k_cache.kv_cache, decode.block_table,
+                                           context)
         if decode.requires_padding:
-            keep = _padded_row_index(lens, next_n)
-            expanded = expanded[keep]
-        buffer[: expanded.shape[0], : expanded.shape[1]] = expanded
+            out = torch.full((batch * next_n, buffer.shape[1]), -1, dtype=buffer.dtype,
+                             device=buffer.device)
+            self.kernels.topk(logits, seq_tokens, out, kpool=kpool, select_pools=topk // kpool)
+            buffer[:n] = out[_padded_row_index(lens, next_n)]
+        else:
+            self.kernels.topk(logits, seq_tokens, buffer[:n], kpool=kpool,
+                              select_pools=topk // kpool)
 
 
 def _fill_causal(rows: torch.Tensor, positions: torch.Tensor) -> None:

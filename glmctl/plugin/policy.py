@@ -98,14 +98,20 @@ def is_glm5_next(model_type: str | None, architectures: list[str] | tuple[str, .
     return any(arch in GLM5_NEXT_ARCHITECTURES for arch in architectures or ())
 
 
-def kpool_block_size(block_size: int, index_kpool: int | None) -> int:
-    """Smallest KV block size >= `block_size` that the kpool indexer cache accepts.
+def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: int = 128) -> int:
+    """Smallest KV block size >= `block_size` that vLLM's kpool indexer caches accept.
 
-    vLLM stores one indexer entry per `index_kpool` tokens and splits each block's pool
-    entries into pages of 32 (its `Glm5NextIndexerCache` asserts this), so the block must be
-    a multiple of 32 * index_kpool.
+    vLLM stores one indexer entry (head_dim fp8 values + a 4-byte scale) per `index_kpool`
+    tokens and splits each block's entries into pages of 32, so the block must be a multiple of
+    32 * index_kpool (`Glm5NextIndexerCache` asserts it). vLLM also pads the tail cache's page
+    (raw bf16 key + gate of one pool: 2 * kpool * head_dim * 2 bytes) to the indexer page, so
+    the indexer page must be at least that large.
     """
     if not index_kpool or index_kpool <= 1:
         return block_size
     unit = 32 * index_kpool
-    return max(unit, -(-block_size // unit) * unit)
+    tail_page = 2 * index_kpool * index_head_dim * 2
+    size = max(unit, -(-block_size // unit) * unit)
+    while (size // index_kpool) * (index_head_dim + 4) < tail_page:
+        size += unit
+    return size

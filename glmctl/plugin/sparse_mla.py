@@ -150,45 +150,16 @@ class GlmctlSparseMLAImpl(MLAAttentionImpl[GlmctlSparseMLAMetadata], SharedTopkI
                            k_scale) -> None:
         if kv_cache.numel() == 0:
             return
-        block_size = kv_cache.shape[1]
-        rows, block_stride = cache_rows(kv_cache, block_size)
-        slots = slot_mapping.flatten().to(torch.int64)
-        flat = torch.where(slots >= 0, slots // block_size * block_stride + slots % block_size, -1)
-        self.kernels.mla_cache_write(kv_c_normed, k_pe, rows, flat, kv_cache_dtype)
+        # GLM-5.3-Flash has no RoPE dims: the row is the 512-d latent (k_pe is empty).
+        self.kernels.cache_write(kv_c_normed, slot_mapping.flatten().to(torch.int64), kv_cache)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata: GlmctlSparseMLAMetadata, layer):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1) if q[1].shape[-1] else q[0]
         num_tokens = q.shape[0]
-        topk = self.topk_indices_buffer[:num_tokens]
-        rows, block_stride = cache_rows(kv_c_and_k_pe_cache, attn_metadata.block_size)
-        slots = request_tokens_to_rows(
-            topk, attn_metadata.req_id_per_token[:num_tokens], attn_metadata.block_table,
-            attn_metadata.block_size, block_stride,
+        cache = kv_c_and_k_pe_cache
+        rows = self.kernels.rows(
+            self.topk_indices_buffer[:num_tokens], attn_metadata.req_id_per_token[:num_tokens],
+            attn_metadata.block_table, attn_metadata.block_size, cache.stride(0) // cache.stride(1),
         )
-        out, lse = self.kernels.sparse_mla_attention(q, rows, slots, self.scale, self.kv_cache_dtype)
-        return out, lse
-
-
-def cache_rows(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
-    """A flat [rows, width] view of a paged cache, and the row stride between its blocks.
-
-    vLLM may interleave other layers' pages between this layer's blocks (stride(0) larger
-    than block_size rows); those rows exist in the view but are never addressed.
-    """
-    num_blocks, _, width = kv_cache.shape
-    block_stride = kv_cache.stride(0) // width
-    num_rows = (num_blocks - 1) * block_stride + block_size if num_blocks else 0
-    return kv_cache.as_strided((num_rows, width), (width, 1)), block_stride
-
-
-def request_tokens_to_rows(token_idx: torch.Tensor, req_id: torch.Tensor,
-                           block_table: torch.Tensor, block_size: int,
-                           block_stride: int) -> torch.Tensor:
-    """Request-local token positions [T, W] (-1 invalid) -> flat cache rows (-1 kept)."""
-    valid = token_idx >= 0
-    tok = token_idx.clamp_min(0).to(torch.int64)
-    block_col = (tok // block_size).clamp_max(block_table.shape[1] - 1)
-    blocks = block_table[req_id.to(torch.int64)[:, None], block_col]
-    rows = blocks.to(torch.int64) * block_stride + tok % block_size
-    return torch.where(valid, rows, -1)
+        return self.kernels.attention(q, cache, rows, self.scale)
