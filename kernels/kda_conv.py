@@ -45,7 +45,6 @@ def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None,
         if conv_state_indices is not None and slot == null_block_id:
             continue
         seq = x[start:end].float().t()  # [dim, L]
-        length = seq.shape[1]
         first = int(num_accepted_tokens[n]) - 1 if num_accepted_tokens is not None else 0
         state = conv_state[slot].float()
         window = state[:, first : first + width - 1]

@@ -27,7 +27,7 @@ GLM5_NEXT_ARCHITECTURES = frozenset(
 )
 
 
-class PluginMode(str, enum.Enum):
+class PluginMode(enum.StrEnum):
     AUTO = "auto"  # act where vLLM 0.30 cannot run GLM-5.3-Flash: CPU, CUDA < sm_90
     ON = "on"  # act on any CUDA or CPU platform (e.g. our backend on sm_90 for comparison)
     OFF = "off"  # never act
@@ -57,7 +57,7 @@ class PlatformFacts:
         return self.kind
 
 
-class Target(str, enum.Enum):
+class Target(enum.StrEnum):
     """Which kernels the adapters dispatch to."""
 
     TORCH = "torch"  # the torch reference implementations (vLLM's CPU platform)

@@ -1,0 +1,86 @@
+"""When the plugin acts (pure rules, no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from glmctl.plugin.policy import (
+    PlatformFacts,
+    PluginMode,
+    Target,
+    decide_platform,
+    is_glm5_next,
+    kpool_block_size,
+)
+
+
+@pytest.mark.parametrize(
+    "raw, mode",
+    [(None, PluginMode.AUTO), ("", PluginMode.AUTO), ("AUTO", PluginMode.AUTO), ("on", PluginMode.ON),
+     ("1", PluginMode.ON), ("off", PluginMode.OFF), ("false", PluginMode.OFF)],
+)
+def test_mode_parsing(raw, mode):
+    assert PluginMode.parse(raw) is mode
+
+
+def test_unknown_mode_is_an_error_naming_the_variable():
+    with pytest.raises(ValueError, match="GLMCTL_PLUGIN='sometimes'"):
+        PluginMode.parse("sometimes")
+
+
+@pytest.mark.parametrize(
+    "mode, facts, act, target",
+    [
+        (PluginMode.AUTO, PlatformFacts("cpu"), True, Target.TORCH),
+        (PluginMode.AUTO, PlatformFacts("cuda", (8, 9)), True, Target.TRITON),
+        (PluginMode.AUTO, PlatformFacts("cuda", (8, 0)), True, Target.TRITON),
+        (PluginMode.AUTO, PlatformFacts("cuda", (9, 0)), False, None),
+        (PluginMode.AUTO, PlatformFacts("cuda", (10, 0)), False, None),
+        (PluginMode.ON, PlatformFacts("cuda", (9, 0)), True, Target.TRITON),
+        (PluginMode.OFF, PlatformFacts("cpu"), False, None),
+        (PluginMode.OFF, PlatformFacts("cuda", (8, 9)), False, None),
+        (PluginMode.ON, PlatformFacts("rocm"), False, None),
+    ],
+)
+def test_platform_decision(mode, facts, act, target):
+    decision = decide_platform(mode, facts)
+    assert decision.act is act and decision.target is target
+    assert decision.reason
+
+
+def test_sm90_auto_says_how_to_opt_in():
+    assert "GLMCTL_PLUGIN=on" in decide_platform(PluginMode.AUTO, PlatformFacts("cuda", (9, 0))).reason
+
+
+@pytest.mark.parametrize(
+    "model_type, archs, expected",
+    [
+        ("glm5_next", ["Glm5NextForCausalLM"], True),
+        ("glm5_next_text", None, True),
+        ("glm5_next_mtp", ["Glm5NextMTPModel"], True),
+        (None, ["Glm5NextForConditionalGeneration"], True),
+        ("llama", ["LlamaForCausalLM"], False),
+        ("deepseek_v32", ["DeepseekV32ForCausalLM"], False),
+    ],
+)
+def test_model_recognition(model_type, archs, expected):
+    assert is_glm5_next(model_type, archs) is expected
+
+
+@pytest.mark.parametrize(
+    "block, kpool, head_dim, expected",
+    [
+        (16, 16, 128, 1024),  # 32 * 16 = 512 is too small for the tail page (8 KiB > 32 * 132 B)
+        (16, 4, 128, 128),
+        (2048, 16, 128, 2048),
+        (1100, 16, 128, 1536),
+        (16, None, 128, 16),
+        (16, 1, 128, 16),
+    ],
+)
+def test_kpool_block_size(block, kpool, head_dim, expected):
+    size = kpool_block_size(block, kpool, head_dim)
+    assert size == expected
+    if kpool and kpool > 1:
+        assert size % (32 * kpool) == 0
+        assert (size // kpool) * (head_dim + 4) >= 2 * kpool * head_dim * 2
