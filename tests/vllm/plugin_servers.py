@@ -33,6 +33,10 @@ class Server:
     proc: subprocess.Popen
     log: Path
 
+    @property
+    def base_url(self) -> str:
+        return self.url
+
     def get(self, path: str, timeout: float = 60) -> str:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return r.read().decode()
@@ -61,7 +65,7 @@ def start_server(model: Path, log: Path, *extra: str, env: dict | None = None) -
     cmd = [
         sys.executable, "-m", "glmctl.serving.vllm_entry", "serve", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-        "--max-model-len", "2048", "--enforce-eager", "--max-logprobs", "-1",
+        "--max-model-len", "4096", "--enforce-eager", "--max-logprobs", "-1",
         "--served-model-name", "tiny", *extra,
     ]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "GLMCTL_PLUGIN": "auto", **(env or {})}

@@ -1,6 +1,7 @@
 """The glmctl plugin serves the tiny GLM-5.3-Flash checkpoint through a real `vllm serve` (vLLM CPU).
 
-One server for the whole module (start-up costs ~30 s on 2 cores). It proves the OpenAI API end to
+Uses the lane's shared `tiny_server` (tests/vllm/conftest.py; one start-up of ~30 s on 2 cores
+for every test that needs the plain server). It proves the OpenAI API end to
 end (completions with logprobs and echo, prompt_logprobs, chat, /metrics), that the plugin
 activates once in every vLLM process, and parity with transformers' own glm5_next implementation.
 """
@@ -11,19 +12,15 @@ import re
 
 import pytest
 
-from tests.vllm.plugin_servers import start_server
-
 pytestmark = pytest.mark.vllm
 
 LONG_CODE = "class Foo:\n    def __init__(self):\n        self.x = 1\n" * 12
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 30
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    srv = start_server(tiny_checkpoint.path, tmp_path_factory.mktemp("serve") / "vllm.log")
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(tiny_server):
+    return tiny_server
 
 
 def test_plugin_activates_once_in_each_vllm_process(server):
