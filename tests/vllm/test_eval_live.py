@@ -166,12 +166,10 @@ def test_perplexity_matches_transformers_on_the_same_windows(server, live):
     diff = np.abs(served - fp32)
     assert diff.mean() <= 2 * spread.mean() + 1e-3, (diff.mean(), spread.mean())
     assert diff.max() <= 2 * spread.max() + 1e-2, (diff.max(), spread.max())
-    # log(ppl ratio) is the mean *signed* log-prob difference. transformers' own bf16 run can land
-    # unusually close by cancellation (seen: 1e-4 nats), so bound it by the noise floor's mean
-    # absolute spread instead: a served path biased beyond the bf16 noise still fails.
-    ppl_fp32, ppl_bf16 = math.exp(-fp32.mean()), math.exp(-bf16.mean())
-    assert abs(math.log(result.perplexity / ppl_fp32)) <= max(
-        spread.mean(), 2 * abs(math.log(ppl_bf16 / ppl_fp32))) + 1e-3
+    # log perplexity is the mean log-prob, so it may move by at most the per-token spread. (bf16's
+    # own errors can cancel in the mean, seen at 1e-4 nats; a served model's need not: its KV cache
+    # and kernels differ. A path biased beyond the bf16 noise still fails.)
+    assert abs(math.log(result.perplexity) + fp32.mean()) <= 2 * spread.mean() + 1e-3
 
 
 def test_needle_harness_places_every_needle_where_it_says(server, tmp_path):
