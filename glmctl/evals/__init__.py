@@ -1,1 +1,11 @@
-"""glmctl.evals"""
+"""Quality and speed checks against a live OpenAI-compatible (vLLM) server.
+
+    client.py      the HTTP client (httpx): models, /tokenize, prompt_logprobs, completions, /metrics
+    tokenizer.py   the model's tokenizer, from the server or a checkpoint directory
+    corpus.py      source text: a fixed slice of Python's stdlib, or the user's files
+    perplexity.py  strided-window perplexity, bits per byte, paired baselines (stats.py)
+    needle.py      needle cells: generation, placement, recipes, scoring; needle_run.py runs a grid
+    bench.py       concurrent sessions; bench_drive.py streams them, metrics.py finds the steady window
+    results.py     result files (--out / --baseline); target.py picks or starts the server
+    fake_server.py a stand-in vLLM server for tests
+"""

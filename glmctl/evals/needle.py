@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import random
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -304,5 +303,3 @@ def parse_depths(spec: str) -> list[float]:
         raise UsageError(f"depths must be percentages between 0 and 100, got {spec!r}")
     return depths
 
-
-ProgressFn = Callable[[str], None]

@@ -55,10 +55,6 @@ class RelativeChange:
     tokens_paired: int
     method: str
 
-    def describe(self) -> str:
-        return (f"{self.percent:+.2f}% (95% CI {self.ci95_low_percent:+.2f}% .. "
-                f"{self.ci95_high_percent:+.2f}%)")
-
 
 def relative_change(new_nll: np.ndarray, base_nll: np.ndarray) -> RelativeChange:
     if new_nll.shape != base_nll.shape:
