@@ -194,3 +194,20 @@ def test_unknown_target_and_missing_repo_for_catalogue_artifact(fetch_cli):
     assert proc.returncode == 2 and "known artifacts" in proc.stderr
     proc = fetch_cli("glm-5.3-flash-exl3-4bit")
     assert proc.returncode == 2 and "--repo" in proc.stderr
+
+
+def test_corrupt_header_without_manifest_is_reported_by_name(fetch_cli, tmp_path):
+    """Structure checks run even where no manifest exists (a directory fetched by other tools)."""
+    dest = tmp_path / "out"
+    assert fetch_cli("org/tiny", "--local-dir", str(dest)).returncode == 0
+    import shutil
+
+    shutil.rmtree(dest / ".glmctl")
+    shard = dest / "model-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"\x00\x01\x02\x03"  # inside the JSON header
+    shard.write_bytes(bytes(data))
+    proc = fetch_cli("--verify", str(dest), "--json")
+    assert proc.returncode == 1 and "no glmctl manifest" in proc.stderr
+    files = {f["path"]: f for f in json.loads(proc.stdout)["verify"]["files"]}
+    assert files["model-00001-of-00002.safetensors"]["status"] == "bad-header"
