@@ -44,13 +44,13 @@ def shipped_configs():
             yield (f"sparse_mla[{'fp8' if fp8 else 'bf16'} h{block_h} n{block_n} w{warps} "
                    f"s{stages}]", sparse_mla_prefill._sparse_mla_kernel, types,
                    dict(FP8=fp8, PARTIAL=True, BLOCK_H=block_h, BLOCK_N=block_n,
-                        SCALE_OFFSET=512, DOT_DTYPE=tl.bfloat16),
+                        SCALE_OFFSET=512, DOT_DTYPE=tl.bfloat16, SKIP_EMPTY=False),
                    dict(num_warps=warps, num_stages=stages))
     yield ("sparse_mla_combine[16 splits]", sparse_mla_decode._combine_kernel,
            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", out_stride_t=i64,
-                out_stride_h=i64, lse_ptr="*fp32", lse_stride_t=i64, num_heads=i32),
-           dict(NUM_SPLITS=sparse_mla_decode.MAX_SPLITS, BLOCK_S=sparse_mla_decode.MAX_SPLITS,
-                DIM=512),
+                out_stride_h=i64, lse_ptr="*fp32", lse_stride_t=i64, num_heads=i32,
+                num_splits=i32),
+           dict(BLOCK_S=sparse_mla_decode.MAX_SPLITS, DIM=512),
            dict(num_warps=4, num_stages=1))
     yield ("mla_cache_write[fp8_ds_mla]", mla_cache_write._mla_cache_write_kernel,
            dict(kv_c_ptr="*bf16", kv_c_stride=i64, slot_ptr="*i64", cache_u8_ptr="*u8",

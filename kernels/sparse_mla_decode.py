@@ -76,7 +76,7 @@ def plan_sparse_mla_decode(num_tokens: int, num_heads: int, topk_width: int,
     programs = max(1, num_tokens) * triton.cdiv(num_heads, block_h)
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
     most = max(1, min(MAX_SPLITS, topk_width // (2 * block_n)))
-    splits = max(1, min(want, most))
+    splits = max(1, min(want, most))  # MAX_SPLITS bounds the combine kernel's BLOCK_S
     split_len = triton.cdiv(triton.cdiv(topk_width, splits), block_n) * block_n
     splits = triton.cdiv(topk_width, split_len)
     return SparseMLADecodePlan(num_tokens, num_heads, splits, split_len, block_h, block_n,
@@ -95,23 +95,23 @@ def sparse_mla_decode_workspace(plans: list[SparseMLADecodePlan],
 
 @triton.jit
 def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_stride_t, out_stride_h,
-                    lse_ptr, lse_stride_t, num_heads,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DIM: tl.constexpr):
+                    lse_ptr, lse_stride_t, num_heads, num_splits,
+                    BLOCK_S: tl.constexpr, DIM: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
-    lse_row = part_lse_ptr + (tok * NUM_SPLITS + splits) * num_heads + head
-    lses = tl.load(lse_row, mask=splits < NUM_SPLITS, other=float("-inf"))
+    lse_row = part_lse_ptr + (tok * num_splits + splits) * num_heads + head
+    lses = tl.load(lse_row, mask=splits < num_splits, other=float("-inf"))
     m = tl.max(lses, axis=0)
     m_shift = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, DIM)
     acc = tl.zeros([DIM], tl.float32)
     total = 0.0
     # Fixed split order: the merge adds the same numbers in the same order every call.
-    for s in tl.static_range(NUM_SPLITS):
-        lse_s = tl.load(part_lse_ptr + (tok * NUM_SPLITS + s) * num_heads + head)
+    for s in range(num_splits):
+        lse_s = tl.load(part_lse_ptr + (tok * num_splits + s) * num_heads + head)
         w = tl.exp(lse_s - m_shift)
-        part = tl.load(part_out_ptr + ((tok * NUM_SPLITS + s) * num_heads + head) * DIM + d)
+        part = tl.load(part_out_ptr + ((tok * num_splits + s) * num_heads + head) * DIM + d)
         acc += w * part
         total += w
     has_any = total > 0.0
@@ -133,7 +133,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         raise ValueError(f"plan is for {plan.num_tokens} tokens x {plan.num_heads} heads, "
                          f"got {num_tokens} x {num_heads}")
     common = dict(split_len=plan.split_len, block_h=plan.block_h, block_n=plan.block_n,
-                  num_warps=plan.num_warps, num_stages=plan.num_stages)
+                  num_warps=plan.num_warps, num_stages=plan.num_stages, skip_empty=False)
     if plan.num_splits == 1:
         launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, num_splits=1,
                                  partial=False, **common)
@@ -149,7 +149,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
                              num_splits=plan.num_splits, partial=True, **common)
     _combine_kernel[(num_tokens, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), lse, lse.stride(0), num_heads,
-        NUM_SPLITS=plan.num_splits, BLOCK_S=triton.next_power_of_2(plan.num_splits), DIM=512,
+        plan.num_splits, BLOCK_S=MAX_SPLITS, DIM=512,
         num_warps=4,
     )
 

@@ -17,7 +17,9 @@
   index gives ``out = 0`` and ``lse = -inf``.
 
 Kernel: one program per (token, block of ``BLOCK_H`` heads, split); it walks its columns of
-``indices`` ``BLOCK_N`` at a time with an online softmax in base 2. The 512-d row is handled as
+``indices`` ``BLOCK_N`` at a time with an online softmax in base 2 (prefill skips tiles with no
+valid index, which early prompt tokens have many of; decode does not branch, so its loop can be
+software-pipelined). The 512-d row is handled as
 four 128-wide tiles so that an fp8 tile is used exactly (e4m3 -> bf16 is exact) and its per-tile
 scale multiplies the fp32 dot products instead of every element: scores
 ``sum_t scale_t * (q_t . k8_t)``, values ``acc_t += (p * scale_t) @ k8_t``. The decode launcher
@@ -74,6 +76,7 @@ def _sparse_mla_kernel(
     BLOCK_N: tl.constexpr,
     SCALE_OFFSET: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -101,7 +104,7 @@ def _sparse_mla_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + tok * idx_stride_t + cols, mask=cols < end, other=-1)
         valid = (idx >= 0) & (idx < num_rows)
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
+        if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), axis=0) > 0:
             rows = tl.where(valid, idx, 0).to(tl.int64)
             k0, s0 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 0, row_stride, FP8, SCALE_OFFSET,
                                 DOT_DTYPE)
@@ -155,7 +158,8 @@ def _sparse_mla_kernel(
 
 
 def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, num_splits,
-                             split_len, block_h, block_n, num_warps, num_stages, partial):
+                             split_len, block_h, block_n, num_warps, num_stages, partial,
+                             skip_empty=True):
     """Launch the attention kernel (shared by prefill and decode stage 1)."""
     fmt = mla_kv_format(kv_cache)
     rows = flat_rows(kv_cache)
@@ -185,6 +189,7 @@ def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, n
         BLOCK_N=block_n,
         SCALE_OFFSET=FP8_DS_MLA_SCALE_OFFSET,
         DOT_DTYPE=dot_dtype(),
+        SKIP_EMPTY=skip_empty,
         num_warps=num_warps,
         num_stages=num_stages,
     )
