@@ -332,7 +332,7 @@ def table(results) -> str:
              f"{'ref us':>11}{'ref %':>7}  target"]
     for r in results["rows"]:
         if r["kernel"] == "sparse_mla_prefill":
-            lines.append(f"{"mla_prefill H" + str(r["heads"]):<22}{r['kv']:<11}{r['context']:<6}"
+            lines.append(f"{'mla_prefill H' + str(r['heads']):<22}{r['kv']:<11}{r['context']:<6}"
                          f"{r['tokens']:>5}{r['us']:>10.0f}{r['tflops']:>6.1f}T"
                          f"{r['ref_us']:>11.0f}{r['ref_tflops']:>6.2f}T  (TFLOP/s)")
             continue
@@ -343,7 +343,7 @@ def table(results) -> str:
         if r["kernel"] == "kpool_topk":
             verdict = f"{r['time_vs_logits_read']:.1f}x the logits read time"
         ref_frac = r.get("ref_copy_fraction")
-        lines.append(f"{r["kernel"]:<22}{r.get('kv', '-'):<11}{r['context']:<6}{r['rows']:>5}"
+        lines.append(f"{r['kernel']:<22}{r.get('kv', '-'):<11}{r['context']:<6}{r['rows']:>5}"
                      f"{r['us']:>10.1f}{r['copy_fraction']:>7.0%}{r['ref_us']:>11.1f}"
                      f"{(f'{ref_frac:.0%}' if ref_frac is not None else '-'):>7}  {verdict}")
     return "\n".join(lines)
