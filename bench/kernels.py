@@ -32,24 +32,21 @@ from functools import partial
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from glmctl.kernels import indexer_logits_paged as paged_mod  # noqa: E402
-from glmctl.kernels.indexer_logits_paged import (  # noqa: E402
+from glmctl.kernels import indexer_logits_paged as paged_mod
+from glmctl.kernels.indexer_logits_paged import (
     indexer_logits_paged,
     indexer_logits_paged_ref,
 )
-from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_ref  # noqa: E402
-from glmctl.kernels.mla_cache_write import mla_cache_write  # noqa: E402
-from glmctl.kernels.sparse_mla_decode import (  # noqa: E402
+from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_ref
+from glmctl.kernels.mla_cache_write import mla_cache_write
+from glmctl.kernels.sparse_mla_decode import (
     SparseMLADecodePlan,
     plan_sparse_mla_decode,
     sparse_mla_decode,
     sparse_mla_decode_ref,
     sparse_mla_decode_workspace,
 )
-from glmctl.kernels.sparse_mla_prefill import (  # noqa: E402
+from glmctl.kernels.sparse_mla_prefill import (
     sparse_mla_prefill,
     sparse_mla_prefill_ref,
 )

@@ -3,18 +3,16 @@
 #
 #   there:  bash bench/gpu/kernels.sh          (from the repository root; writes under $OUT)
 #
-# glmctl is not installed there: a throw-away package tree puts kernels/ at glmctl.kernels, as
-# pyproject's package-dir mapping does. Runs tests/gpu/test_kernels_gpu.py, then
+# glmctl is not installed there: a symlink glmctl/kernels -> ../kernels (in this throw-away copy)
+# puts kernels/ at glmctl.kernels, as pyproject's package-dir mapping does. Runs
+# tests/gpu/test_kernels_gpu.py, then
 # bench/kernels.py; prints the benchmark table last. Budgets: TEST_SECONDS, BENCH_SECONDS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/kernels}
 mkdir -p "$OUT"
-SHIM=$(mktemp -d)
-mkdir -p "$SHIM/glmctl"
-cp -r glmctl/. "$SHIM/glmctl/"
-cp -r kernels "$SHIM/glmctl/kernels"
-export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
+[ -e glmctl/kernels ] || ln -s ../kernels glmctl/kernels
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 python3 - <<'PY' 2>&1 | tee "$OUT/kernels-env.txt"
 import torch, triton, glmctl.kernels
