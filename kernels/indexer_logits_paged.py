@@ -18,12 +18,15 @@ which is what vLLM 0.30 calls on Hopper:
   values multiplied exactly and summed in fp32. Columns at or past the context length are -inf
   in the reference and unspecified (not written) in the kernel; the top-k never reads them.
 
-Kernel: a fixed number of programs (``num_programs``, default 2 per SM: the grid never depends
-on lengths, so it can be captured in a CUDA graph) share the work evenly. Each program reads the
-context lengths on the device, numbers every request's ``BLOCK_N``-pool tiles in one sequence
-and takes a contiguous share of it; a tile's keys are read once for all ``N`` query tokens and
-``H`` heads of its request (one fp8 ``[N*H, 128] x [128, BLOCK_N]`` product), so MTP verification
-costs no extra key traffic.
+Kernel: a fixed grid (``num_programs`` + B programs, default 2 per SM: it never depends on the
+lengths, so it can be captured in a CUDA graph). Every program reads the context lengths on the
+device and gives each request a share of the programs in proportion to its ``BLOCK_N``-pool
+tiles; a program then walks a contiguous run of one request's tiles (a branch-free loop that
+Triton software-pipelines). A tile's keys are read once for all ``N`` query tokens and ``H``
+heads of its request: one ``[BLOCK_N, 128] x [128, N*H]`` product with the keys as the M operand,
+so the per-head weighted sum is a reduction along the product's columns. The fp8 values enter
+the tensor cores as fp16 (exact) and products accumulate in fp32; Hopper's fp8 MMA accumulates
+with too few bits for an indexer whose head sum cancels.
 """
 
 from __future__ import annotations
@@ -35,69 +38,67 @@ import triton
 import triton.language as tl
 
 from .layouts import INDEXER_HEAD_DIM, indexer_page_views
-from .triton_env import interpreting
+from .triton_env import dot_dtype, interpreting
 
 # (BLOCK_N, num_warps, num_stages); compiled for sm_89 in tests/unit/test_kernels_sm89.py.
-PAGED_CONFIG = (64, 4, 1)
+PAGED_CONFIG = (64, 4, 3)
 
 
 @triton.jit
 def _indexer_logits_paged_kernel(
     q_ptr, w_ptr, kv_ptr, kv_f32_ptr, page_stride,
-    bt_ptr, bt_stride, ctx_ptr, out_ptr, out_stride, num_req,
+    bt_ptr, bt_stride, ctx_ptr, out_ptr, out_stride, num_req, num_programs,
     N: tl.constexpr, N_PAD: tl.constexpr, H: tl.constexpr, PAGE_POOLS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    # Work list: request b owns cdiv(max_n ctx[b, n], BLOCK_N) consecutive tiles.
+    # Programs per request in proportion to its tiles (>= 1 if it has any, <= its tiles).
     reqs = tl.arange(0, BLOCK_B)
     live = reqs < num_req
     longest = tl.zeros([BLOCK_B], tl.int32)
     for n in tl.static_range(N):
         longest = tl.maximum(longest, tl.load(ctx_ptr + reqs * N + n, mask=live, other=0))
     tiles = tl.where(live, (longest + BLOCK_N - 1) // BLOCK_N, 0)
-    ends = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0)
-    share = (total + nprog - 1) // nprog
-    first = pid * share
-    last = tl.minimum(first + share, total)
+    total = tl.maximum(tl.sum(tiles, axis=0), 1)
+    share = tl.where(tiles > 0, tl.maximum((tiles * num_programs) // total, 1), 0)
+    share = tl.minimum(share, tiles)
+    ends = tl.cumsum(share, axis=0)
+    if pid < tl.sum(share, axis=0):
+        req = tl.sum((ends <= pid).to(tl.int32), axis=0)
+        mine = reqs == req
+        rank = pid - tl.sum(tl.where(reqs < req, share, 0), axis=0)
+        req_tiles = tl.sum(tl.where(mine, tiles, 0), axis=0)
+        req_share = tl.sum(tl.where(mine, share, 0), axis=0)
+        per = (req_tiles + req_share - 1) // req_share
+        first = rank * per
+        last = tl.minimum(first + per, req_tiles)
 
-    rows = tl.arange(0, N_PAD * H)  # query row = n * H + h
-    row_ok = rows < N * H
-    d = tl.arange(0, 128)
-    toks = tl.arange(0, N_PAD)
-    cols = tl.arange(0, BLOCK_N)
-    cur = -1
-    q = tl.zeros([N_PAD * H, 128], DOT_DTYPE)
-    w = tl.zeros([N_PAD * H], tl.float32)
-    ctx = tl.zeros([N_PAD], tl.int32)
-    for g in range(first, last):
-        req = tl.sum((ends <= g).to(tl.int32), axis=0)
-        tile = g - tl.sum(tl.where(reqs < req, tiles, 0), axis=0)
-        if req != cur:
-            base = req.to(tl.int64) * N * H
-            q = tl.load(q_ptr + (base + rows[:, None]) * 128 + d[None, :], mask=row_ok[:, None],
-                        other=0.0).to(DOT_DTYPE)
-            w = tl.load(w_ptr + base + rows, mask=row_ok, other=0.0)
-            ctx = tl.load(ctx_ptr + req * N + toks, mask=toks < N, other=0)
-            cur = req
-        pools = tile * BLOCK_N + cols
-        in_ctx = pools < tl.max(ctx, axis=0)
-        page = tl.load(bt_ptr + req.to(tl.int64) * bt_stride + pools // PAGE_POOLS, mask=in_ctx,
-                       other=0).to(tl.int64)
-        slot = pools % PAGE_POOLS
-        page_base = page * page_stride
-        k = tl.load(kv_ptr + page_base[:, None] + slot[:, None] * 128 + d[None, :],
-                    mask=in_ctx[:, None], other=0.0).to(DOT_DTYPE)
-        k_scale = tl.load(kv_f32_ptr + (page_base + PAGE_POOLS * 128) // 4 + slot, mask=in_ctx,
-                          other=0.0)
-        scores = tl.dot(q, tl.trans(k))  # [N_PAD*H, BLOCK_N], exact fp8 products, fp32 sums
-        scores = tl.maximum(scores, 0.0) * w[:, None]
-        logits = tl.sum(tl.reshape(scores, [N_PAD, H, BLOCK_N]), axis=1) * k_scale[None, :]
+        cols = tl.arange(0, N_PAD * H)  # query column = n * H + h
+        col_ok = cols < N * H
+        d = tl.arange(0, 128)
+        base = req.to(tl.int64) * N * H
+        q = tl.load(q_ptr + (base + cols[:, None]) * 128 + d[None, :], mask=col_ok[:, None],
+                    other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_ptr + base + cols, mask=col_ok, other=0.0)
+        toks = tl.arange(0, N_PAD)
+        ctx = tl.load(ctx_ptr + req * N + toks, mask=toks < N, other=0)
+        ctx_max = tl.max(ctx, axis=0)
         out_rows = (req * N + toks).to(tl.int64) * out_stride
-        keep = (toks[:, None] < N) & (pools[None, :] < ctx[:, None])
-        tl.store(out_ptr + out_rows[:, None] + pools[None, :], logits, mask=keep)
+        bt_row = bt_ptr + req.to(tl.int64) * bt_stride
+        for tile in range(first, last):
+            pools = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_ctx = pools < ctx_max
+            page = tl.load(bt_row + pools // PAGE_POOLS, mask=in_ctx, other=0).to(tl.int64)
+            slot = pools % PAGE_POOLS
+            page_base = page * page_stride
+            k = tl.load(kv_ptr + page_base[:, None] + slot[:, None] * 128 + d[None, :],
+                        mask=in_ctx[:, None], other=0.0).to(DOT_DTYPE)
+            k_scale = tl.load(kv_f32_ptr + (page_base + PAGE_POOLS * 128) // 4 + slot,
+                              mask=in_ctx, other=0.0)
+            scores = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]  # [BLOCK_N, N*H]
+            logits = tl.sum(tl.reshape(scores, [BLOCK_N, N_PAD, H]), axis=2) * k_scale[:, None]
+            keep = (toks[None, :] < N) & (pools[:, None] < ctx[None, :])
+            tl.store(out_ptr + out_rows[None, :] + pools[:, None], logits, mask=keep)
 
 
 @functools.cache
@@ -126,13 +127,13 @@ def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: t
     block_n, num_warps, num_stages = PAGED_CONFIG
     if num_programs is None:
         num_programs = default_num_programs(q_fp8.device)
-    _indexer_logits_paged_kernel[(num_programs,)](
+    _indexer_logits_paged_kernel[(num_programs + num_req,)](
         q_fp8, weights, kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32),
         kv_cache.stride(0), block_table, block_table.stride(0), context_lens, out, out.stride(0),
-        num_req,
+        num_req, num_programs,
         N=next_n, N_PAD=triton.next_power_of_2(next_n), H=heads, PAGE_POOLS=kv_cache.shape[1],
         BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(num_req)),
-        DOT_DTYPE=tl.float32 if interpreting() else tl.float8e4nv,
+        DOT_DTYPE=dot_dtype(tl.float16),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -13,8 +13,9 @@ paged cache (vLLM's ``cp_gather_indexer_k_quant_cache``). DeepGEMM ``fp8_mqa_log
 * ``out``: ``[T, S]`` fp32, ``out[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q[t, h] . k[s])``
   inside the row's range; -inf outside in the reference, unspecified in the kernel.
 
-Kernel: one program per ``BLOCK_M`` query tokens (``BLOCK_M * H`` rows of one fp8 product) walks
-the keys between its tokens' smallest start and largest end, ``BLOCK_N`` at a time.
+Kernel: one program per ``BLOCK_M`` query tokens walks the keys between its tokens' smallest
+start and largest end, ``BLOCK_N`` at a time: ``[BLOCK_N, 128] x [128, BLOCK_M * H]`` products
+with fp16 operands (e4m3 converts exactly) and fp32 accumulation, as in the paged kernel.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import triton
 import triton.language as tl
 
 from .layouts import INDEXER_HEAD_DIM, indexer_page_views
-from .triton_env import interpreting
+from .triton_env import dot_dtype
 
 # (BLOCK_M tokens, BLOCK_N keys, num_warps, num_stages) by head count; each compiled for sm_89
 # in tests/unit/test_kernels_sm89.py.
-RAGGED_CONFIGS = {16: (8, 64, 4, 2), 32: (4, 64, 4, 2), 64: (2, 64, 4, 2)}
+RAGGED_CONFIGS = {16: (8, 64, 4, 3), 32: (4, 64, 4, 3), 64: (2, 64, 4, 3)}
 
 
 @triton.jit
@@ -49,17 +50,17 @@ def _indexer_logits_ragged_kernel(
     q = tl.load(q_ptr + rows[:, None] * 128 + d[None, :], mask=row_ok[:, None],
                 other=0.0).to(DOT_DTYPE)
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-    out_rows = toks.to(tl.int64) * out_stride
     for k0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
         k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * 128 + d[None, :], mask=key_ok[:, None],
                     other=0.0).to(DOT_DTYPE)
         k_scale = tl.load(k_scale_ptr + keys, mask=key_ok, other=0.0)
-        scores = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]
-        logits = tl.sum(tl.reshape(scores, [BLOCK_M, H, BLOCK_N]), axis=1) * k_scale[None, :]
-        keep = (keys[None, :] >= starts[:, None]) & (keys[None, :] < ends[:, None])
-        tl.store(out_ptr + out_rows[:, None] + keys[None, :], logits, mask=keep)
+        scores = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]  # [BLOCK_N, BLOCK_M*H]
+        logits = tl.sum(tl.reshape(scores, [BLOCK_N, BLOCK_M, H]), axis=2) * k_scale[:, None]
+        keep = (keys[:, None] >= starts[None, :]) & (keys[:, None] < ends[None, :])
+        tl.store(out_ptr + toks.to(tl.int64)[None, :] * out_stride + keys[:, None], logits,
+                 mask=keep)
 
 
 def ragged_config(num_heads: int) -> tuple[int, int, int, int]:
@@ -82,7 +83,7 @@ def indexer_logits_ragged(q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: tor
     _indexer_logits_ragged_kernel[(triton.cdiv(num_tokens, block_m),)](
         q_fp8, weights, k_fp8, k_scale, row_starts, row_ends, out, out.stride(0), num_tokens,
         H=heads, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_DTYPE=tl.float32 if interpreting() else tl.float8e4nv,
+        DOT_DTYPE=dot_dtype(tl.float16),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -15,15 +15,22 @@
   ``kpool * n + i`` for ``i < seq_len - kpool * n``, then -1; every later column is -1. These are
   request-logical token positions, as vLLM's ``expand_pools_and_append_tail`` writes them.
 
-Kernel: one program per row; graph safe (lengths read on the device, no allocation). A row with
-at most ``select_pools`` pools is written directly. Otherwise an exact radix select finds the
-``select_pools``-th largest logit: logits map to order-preserving 32-bit keys, and four passes
-histogram one 8-bit digit each among the keys that match the digits chosen so far. A last pass
-walks the row in index order and keeps every key above the threshold plus the first ties, so
-the output is deterministic and sorted by pool. Every output column is written exactly once.
+Kernels (graph safe: lengths read on the device, no allocation; every output column is written
+exactly once). The selection is an exact radix select: logits map to order-preserving 32-bit
+keys, and four passes histogram one 8-bit digit each among the keys matching the digits chosen
+so far, which yields the ``select_pools``-th largest key; a last pass in index order keeps the
+keys above it and the first ties, so the result is deterministic and sorted by pool.
+
+* without a workspace: one program per row does it all (enough for prefill, which has many rows);
+* with :func:`kpool_topk_workspace` (decode, few rows): stage 1 splits each row into ``slices``
+  programs that each keep their slice's best ``select_pools`` (value, pool) candidates; stage 2
+  selects among the candidates. The best pools of a row are among its slices' best, and ties
+  still go to the lowest pools, so both paths give identical output.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,17 +49,97 @@ def _order_key(x):
 
 
 @triton.jit
-def _kpool_topk_kernel(
-    logits_ptr, logits_stride, starts_ptr, seq_ptr, out_ptr, out_stride, out_width,
+def _threshold(vals, idxs, count, k, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr):
+    """(key, ties) such that the k largest of vals[0:count] are the keys above ``key`` plus the
+    first ``ties`` equal to it; with HAS_IDX, entries whose idxs < 0 are ignored."""
+    lane = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    first_half = (tl.arange(0, 2) == 0).to(tl.int32)
+    prefix = tl.zeros([], tl.int64)
+    remaining = tl.full([], k, tl.int32)
+    for step in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(0, count, BLOCK):
+            offs = c0 + lane
+            inside = offs < count
+            if HAS_IDX:
+                inside = inside & (tl.load(idxs + offs, mask=inside, other=-1) >= 0)
+            key = _order_key(tl.load(vals + offs, mask=inside, other=0.0))
+            match = inside
+            if step > 0:
+                match = inside & ((key >> (32 - 8 * step)) == (prefix >> (32 - 8 * step)))
+            # Keys that do not match go to bins 256..511, which are dropped.
+            digit = tl.where(match, (key >> (24 - 8 * step)) & 255, 256).to(tl.int32)
+            both = tl.reshape(tl.histogram(digit, 512), [2, 256])
+            hist += tl.sum(both * first_half[:, None], axis=0)
+        matched = tl.sum(hist, axis=0)
+        at_least = matched - (tl.cumsum(hist, axis=0) - hist)  # keys with digit >= d
+        chosen = tl.max(tl.where(at_least >= remaining, bins, -1), axis=0)
+        chosen_count = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
+        chosen_at_least = tl.sum(tl.where(bins == chosen, at_least, 0), axis=0)
+        remaining -= chosen_at_least - chosen_count
+        prefix = prefix | (chosen.to(tl.int64) << (24 - 8 * step))
+    return prefix, remaining
+
+
+@triton.jit
+def _kpool_topk_slices_kernel(
+    logits_ptr, logits_stride, starts_ptr, seq_ptr, cand_val_ptr, cand_idx_ptr,
     HAS_STARTS: tl.constexpr, KPOOL: tl.constexpr, SELECT: tl.constexpr,
-    BLOCK: tl.constexpr, TAIL: tl.constexpr,
+    SLICES: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Stage 1: the best SELECT (value, pool) of one slice of a row, in pool order."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    n = tl.maximum(tl.load(seq_ptr + row), 0) // KPOOL
+    if n > SELECT:  # shorter rows are written whole by stage 2
+        span = (n + SLICES - 1) // SLICES
+        lo = part * span
+        size = tl.maximum(tl.minimum(lo + span, n) - lo, 0)
+        base = logits_ptr + row * logits_stride + lo
+        if HAS_STARTS:
+            base += tl.load(starts_ptr + row)
+        cand_v = cand_val_ptr + (row * SLICES + part) * SELECT
+        cand_i = cand_idx_ptr + (row * SLICES + part) * SELECT
+        lane = tl.arange(0, BLOCK)
+        if size <= SELECT:
+            for c0 in range(0, SELECT, BLOCK):
+                offs = c0 + lane
+                ok = offs < size
+                vals = tl.load(base + offs, mask=ok, other=float("-inf"))
+                tl.store(cand_v + offs, vals, mask=offs < SELECT)
+                tl.store(cand_i + offs, tl.where(ok, lo + offs, -1), mask=offs < SELECT)
+        else:
+            prefix, remaining = _threshold(base, cand_i, size, SELECT, False, BLOCK)
+            written = tl.zeros([], tl.int32)
+            ties_seen = tl.zeros([], tl.int32)
+            for c0 in range(0, size, BLOCK):
+                offs = c0 + lane
+                inside = offs < size
+                vals = tl.load(base + offs, mask=inside, other=0.0)
+                key = _order_key(vals)
+                tie = (inside & (key == prefix)).to(tl.int32)
+                take = (inside & (key > prefix)) | ((tie > 0) & (ties_seen + tl.cumsum(tie, axis=0)
+                                                                - tie < remaining))
+                pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(cand_v + pos, vals, mask=take)
+                tl.store(cand_i + pos, lo + offs, mask=take)
+                written += tl.sum(take.to(tl.int32), axis=0)
+                ties_seen += tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _kpool_topk_kernel(
+    logits_ptr, logits_stride, starts_ptr, seq_ptr, cand_val_ptr, cand_idx_ptr,
+    out_ptr, out_stride, out_width,
+    HAS_STARTS: tl.constexpr, MERGE: tl.constexpr, CAND: tl.constexpr, KPOOL: tl.constexpr,
+    SELECT: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+):
+    """One row: select among the row's logits (or, with MERGE, among its stage-1 candidates),
+    expand the chosen pools to tokens, append the tail, pad with -1."""
     row = tl.program_id(0).to(tl.int64)
     seq = tl.maximum(tl.load(seq_ptr + row), 0)
     n = seq // KPOOL
-    base = logits_ptr + row * logits_stride
-    if HAS_STARTS:
-        base += tl.load(starts_ptr + row)
     out_row = out_ptr + row * out_stride
     lane = tl.arange(0, BLOCK)
     sub = tl.arange(0, KPOOL)
@@ -62,43 +149,35 @@ def _kpool_topk_kernel(
             col = c0 + lane
             tl.store(out_row + col, tl.where(col < n * KPOOL, col, -1), mask=col < SELECT * KPOOL)
     else:
-        bins = tl.arange(0, 256)
-        first_half = (tl.arange(0, 2) == 0).to(tl.int32)
-        prefix = tl.zeros([], tl.int64)
-        remaining = tl.full([], SELECT, tl.int32)
-        for step in tl.static_range(4):
-            hist = tl.zeros([256], tl.int32)
-            for c0 in range(0, n, BLOCK):
-                offs = c0 + lane
-                inside = offs < n
-                key = _order_key(tl.load(base + offs, mask=inside, other=0.0))
-                match = inside
-                if step > 0:
-                    match = inside & ((key >> (32 - 8 * step)) == (prefix >> (32 - 8 * step)))
-                # Keys that do not match go to bins 256..511, which are dropped.
-                digit = tl.where(match, (key >> (24 - 8 * step)) & 255, 256).to(tl.int32)
-                both = tl.reshape(tl.histogram(digit, 512), [2, 256])
-                hist += tl.sum(both * first_half[:, None], axis=0)
-            matched = tl.sum(hist, axis=0)
-            at_least = matched - (tl.cumsum(hist, axis=0) - hist)  # keys with digit >= d
-            chosen = tl.max(tl.where(at_least >= remaining, bins, -1), axis=0)
-            chosen_count = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
-            chosen_at_least = tl.sum(tl.where(bins == chosen, at_least, 0), axis=0)
-            remaining -= chosen_at_least - chosen_count
-            prefix = prefix | (chosen.to(tl.int64) << (24 - 8 * step))
-        # prefix is the threshold key; take all keys above it and the first `remaining` equal.
+        if MERGE:
+            vals_ptr = cand_val_ptr + row * CAND
+            idx_ptr = cand_idx_ptr + row * CAND
+            count = CAND
+        else:
+            vals_ptr = logits_ptr + row * logits_stride
+            if HAS_STARTS:
+                vals_ptr += tl.load(starts_ptr + row)
+            idx_ptr = cand_idx_ptr
+            count = n
+        prefix, remaining = _threshold(vals_ptr, idx_ptr, count, SELECT, MERGE, BLOCK)
+        # Take every key above the threshold and the first `remaining` equal to it, in order.
         written = tl.zeros([], tl.int32)
         ties_seen = tl.zeros([], tl.int32)
-        for c0 in range(0, n, BLOCK):
+        for c0 in range(0, count, BLOCK):
             offs = c0 + lane
-            inside = offs < n
-            key = _order_key(tl.load(base + offs, mask=inside, other=0.0))
+            inside = offs < count
+            if MERGE:
+                pool = tl.load(idx_ptr + offs, mask=inside, other=-1)
+                inside = inside & (pool >= 0)
+            else:
+                pool = offs
+            key = _order_key(tl.load(vals_ptr + offs, mask=inside, other=0.0))
             above = inside & (key > prefix)
             tie = (inside & (key == prefix)).to(tl.int32)
             tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
             take = above | ((tie > 0) & (tie_rank < remaining))
             pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tokens = offs[:, None] * KPOOL + sub[None, :]
+            tokens = pool[:, None] * KPOOL + sub[None, :]
             tl.store(out_row + pos[:, None] * KPOOL + sub[None, :], tokens, mask=take[:, None])
             written += tl.sum(take.to(tl.int32), axis=0)
             ties_seen += tl.sum(tie, axis=0)
@@ -112,20 +191,58 @@ def _kpool_topk_kernel(
         tl.store(out_row + col, tl.full([BLOCK], -1, tl.int32), mask=col < out_width)
 
 
+@dataclass(frozen=True)
+class KpoolTopkWorkspace:
+    """Stage-1 candidates: values ``[rows, slices, select]`` fp32 and pools (int32)."""
+
+    values: torch.Tensor
+    pools: torch.Tensor
+
+    @property
+    def slices(self) -> int:
+        return self.values.shape[1]
+
+
+def kpool_topk_workspace(max_rows: int, select_pools: int, num_sms: int,
+                         device: torch.device | str, slices: int | None = None
+                         ) -> KpoolTopkWorkspace:
+    """Workspace for the two-stage path: enough slices that ``max_rows`` rows give about two
+    programs per SM (at most 16). Allocate before graph capture; reuse for fewer rows."""
+    if slices is None:
+        slices = max(1, min(16, -(-2 * num_sms // max(1, max_rows))))
+    return KpoolTopkWorkspace(
+        torch.empty((max_rows, slices, select_pools), dtype=torch.float32, device=device),
+        torch.empty((max_rows, slices, select_pools), dtype=torch.int32, device=device),
+    )
+
+
 def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, kpool: int,
-               select_pools: int, row_starts: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton kernel; same contract as :func:`kpool_topk_ref` (see module doc)."""
+               select_pools: int, row_starts: torch.Tensor | None = None,
+               workspace: KpoolTopkWorkspace | None = None) -> torch.Tensor:
+    """Triton kernels; same contract as :func:`kpool_topk_ref` (see module doc)."""
     num_rows = logits.shape[0]
     assert out.dtype == torch.int32 and out.stride(1) == 1 and logits.stride(1) == 1
     assert out.shape[1] >= select_pools * kpool + kpool - 1 and kpool & (kpool - 1) == 0
     if num_rows == 0:
         return out
     block, num_warps = TOPK_CONFIG
+    starts = row_starts if row_starts is not None else seq_lens
+    merge = workspace is not None
+    if merge:
+        assert workspace.values.shape[0] >= num_rows and workspace.values.shape[2] == select_pools
+        _kpool_topk_slices_kernel[(num_rows, workspace.slices)](
+            logits, logits.stride(0), starts, seq_lens, workspace.values, workspace.pools,
+            HAS_STARTS=row_starts is not None, KPOOL=kpool, SELECT=select_pools,
+            SLICES=workspace.slices, BLOCK=block, num_warps=num_warps,
+        )
+    cand_v = workspace.values if merge else logits
+    cand_i = workspace.pools if merge else seq_lens
     _kpool_topk_kernel[(num_rows,)](
-        logits, logits.stride(0), row_starts if row_starts is not None else seq_lens, seq_lens,
-        out, out.stride(0), out.shape[1],
-        HAS_STARTS=row_starts is not None, KPOOL=kpool, SELECT=select_pools, BLOCK=block,
-        TAIL=max(2, triton.next_power_of_2(kpool - 1)), num_warps=num_warps,
+        logits, logits.stride(0), starts, seq_lens, cand_v, cand_i, out, out.stride(0),
+        out.shape[1],
+        HAS_STARTS=row_starts is not None, MERGE=merge,
+        CAND=workspace.slices * select_pools if merge else 1, KPOOL=kpool, SELECT=select_pools,
+        BLOCK=block, TAIL=max(2, triton.next_power_of_2(kpool - 1)), num_warps=num_warps,
     )
     return out
 

@@ -44,7 +44,8 @@ def shipped_configs():
             yield (f"sparse_mla[{'fp8' if fp8 else 'bf16'} h{block_h} n{block_n} w{warps} "
                    f"s{stages}]", sparse_mla_prefill._sparse_mla_kernel, types,
                    dict(FP8=fp8, PARTIAL=True, BLOCK_H=block_h, BLOCK_N=block_n,
-                        SCALE_OFFSET=512, DOT_DTYPE=tl.bfloat16, SKIP_EMPTY=False),
+                        SCALE_OFFSET=512, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
+                        SKIP_EMPTY=False),
                    dict(num_warps=warps, num_stages=stages))
     yield ("sparse_mla_combine[16 splits]", sparse_mla_decode._combine_kernel,
            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", out_stride_t=i64,
@@ -63,9 +64,9 @@ def shipped_configs():
                indexer_logits_paged._indexer_logits_paged_kernel,
                dict(q_ptr="*fp8e4nv", w_ptr="*fp32", kv_ptr="*fp8e4nv", kv_f32_ptr="*fp32",
                     page_stride=i64, bt_ptr="*i32", bt_stride=i64, ctx_ptr="*i32",
-                    out_ptr="*fp32", out_stride=i64, num_req=i32),
+                    out_ptr="*fp32", out_stride=i64, num_req=i32, num_programs=i32),
                dict(N=next_n, N_PAD=next_n, H=32, PAGE_POOLS=64, BLOCK_N=block_n, BLOCK_B=256,
-                    DOT_DTYPE=tl.float8e4nv),
+                    DOT_DTYPE=tl.float16),
                dict(num_warps=warps, num_stages=stages))
     for heads, (block_m, block_n, warps, stages) in sorted(
             indexer_logits_ragged.RAGGED_CONFIGS.items()):
@@ -74,13 +75,20 @@ def shipped_configs():
                dict(q_ptr="*fp8e4nv", w_ptr="*fp32", k_ptr="*fp8e4nv", k_scale_ptr="*fp32",
                     starts_ptr="*i32", ends_ptr="*i32", out_ptr="*fp32", out_stride=i64,
                     num_tokens=i32),
-               dict(H=heads, BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=tl.float8e4nv),
+               dict(H=heads, BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=tl.float16),
                dict(num_warps=warps, num_stages=stages))
     block, warps = kpool_topk.TOPK_CONFIG
-    yield ("kpool_topk[kpool16 select128]", kpool_topk._kpool_topk_kernel,
-           dict(logits_ptr="*fp32", logits_stride=i64, starts_ptr="*i32", seq_ptr="*i32",
-                out_ptr="*i32", out_stride=i64, out_width=i32),
-           dict(HAS_STARTS=True, KPOOL=16, SELECT=128, BLOCK=block, TAIL=16),
+    topk_types = dict(logits_ptr="*fp32", logits_stride=i64, starts_ptr="*i32", seq_ptr="*i32",
+                      cand_val_ptr="*fp32", cand_idx_ptr="*i32", out_ptr="*i32", out_stride=i64,
+                      out_width=i32)
+    for merge in (False, True):
+        yield (f"kpool_topk[kpool16 select128 {'merge of 16 slices' if merge else 'one pass'}]",
+               kpool_topk._kpool_topk_kernel, topk_types,
+               dict(HAS_STARTS=not merge, MERGE=merge, CAND=16 * 128 if merge else 1, KPOOL=16,
+                    SELECT=128, BLOCK=block, TAIL=16),
+               dict(num_warps=warps, num_stages=1))
+    yield ("kpool_topk_slices[16 slices]", kpool_topk._kpool_topk_slices_kernel, topk_types,
+           dict(HAS_STARTS=False, KPOOL=16, SELECT=128, SLICES=16, BLOCK=block),
            dict(num_warps=warps, num_stages=1))
 
 

@@ -21,7 +21,8 @@ Kernel: one program per (token, block of ``BLOCK_H`` heads, split); it walks its
 valid index, which early prompt tokens have many of; decode does not branch, so its loop can be
 software-pipelined). The 512-d row is handled as
 four 128-wide tiles so that an fp8 tile is used exactly (e4m3 -> bf16 is exact) and its per-tile
-scale multiplies the fp32 dot products instead of every element: scores
+scale multiplies the fp32 dot products instead of every element (fp8 tiles enter the tensor
+cores as fp16, which e4m3 converts to exactly; bf16 tiles as bf16): scores
 ``sum_t scale_t * (q_t . k8_t)``, values ``acc_t += (p * scale_t) @ k8_t``. The decode launcher
 (:mod:`.sparse_mla_decode`) runs the same kernel with several splits writing fp32 partials.
 """
@@ -63,6 +64,13 @@ def _load_tile(kv_ptr, kv_f32_ptr, rows, valid, t: tl.constexpr, row_stride,
 
 
 @triton.jit
+def _pv_fp8(p, scale, k, DOT_DTYPE: tl.constexpr):
+    top = tl.max(scale, axis=0)
+    top = tl.where(top > 0.0, top, 1.0)
+    return tl.dot((p * (scale / top)[None, :]).to(DOT_DTYPE), k) * top
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, q_stride_t, q_stride_h,
     kv_ptr, kv_f32_ptr, row_stride, num_rows,
@@ -86,10 +94,24 @@ def _sparse_mla_kernel(
     d = tl.arange(0, 128)
 
     q_base = q_ptr + tok * q_stride_t + heads[:, None] * q_stride_h + d[None, :]
-    q0 = tl.load(q_base + 0, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    q1 = tl.load(q_base + 128, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    q2 = tl.load(q_base + 256, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    q3 = tl.load(q_base + 384, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q0 = tl.load(q_base + 0, mask=hmask[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(q_base + 128, mask=hmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_base + 256, mask=hmask[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(q_base + 384, mask=hmask[:, None], other=0.0).to(tl.float32)
+    if FP8:
+        # fp16 operands (e4m3 -> fp16 is one exact conversion; bf16 would take several): bring
+        # q into fp16 range with a power of two that the scores then undo.
+        q_max = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0), axis=1), axis=0),
+                                      tl.max(tl.max(tl.abs(q1), axis=1), axis=0)),
+                           tl.maximum(tl.max(tl.max(tl.abs(q2), axis=1), axis=0),
+                                      tl.max(tl.max(tl.abs(q3), axis=1), axis=0)))
+        q_shift = tl.exp2(tl.maximum(tl.ceil(tl.log2(q_max / 16384.0)), 0.0))
+        q0, q1, q2, q3 = q0 / q_shift, q1 / q_shift, q2 / q_shift, q3 / q_shift
+        sm_scale_log2 = sm_scale_log2 * q_shift
+    q0 = q0.to(DOT_DTYPE)
+    q1 = q1.to(DOT_DTYPE)
+    q2 = q2.to(DOT_DTYPE)
+    q3 = q3.to(DOT_DTYPE)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -100,9 +122,15 @@ def _sparse_mla_kernel(
 
     start = split * split_len
     end = tl.minimum(start + split_len, topk)
+    idx_row = idx_ptr + tok * idx_stride_t
+    lanes = tl.arange(0, BLOCK_N)
+    # Indices are fetched one tile ahead, so a tile waits for its rows only, not for its indices
+    # and then its rows.
+    idx_next = tl.load(idx_row + start + lanes, mask=start + lanes < end, other=-1)
     for n0 in range(start, end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + tok * idx_stride_t + cols, mask=cols < end, other=-1)
+        idx = idx_next
+        ahead = n0 + BLOCK_N + lanes
+        idx_next = tl.load(idx_row + ahead, mask=ahead < end, other=-1)
         valid = (idx >= 0) & (idx < num_rows)
         if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), axis=0) > 0:
             rows = tl.where(valid, idx, 0).to(tl.int64)
@@ -133,10 +161,12 @@ def _sparse_mla_kernel(
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             m = m_new
             if FP8:
-                acc0 = tl.dot((p * s0[None, :]).to(DOT_DTYPE), k0, acc0 * alpha[:, None])
-                acc1 = tl.dot((p * s1[None, :]).to(DOT_DTYPE), k1, acc1 * alpha[:, None])
-                acc2 = tl.dot((p * s2[None, :]).to(DOT_DTYPE), k2, acc2 * alpha[:, None])
-                acc3 = tl.dot((p * s3[None, :]).to(DOT_DTYPE), k3, acc3 * alpha[:, None])
+                # Values: acc_t += (p * scale_t) @ k8_t, with scale_t / max(scale_t) in the fp16
+                # operand (<= 1, no fp16 underflow for small latents) and max(scale_t) after.
+                acc0 = acc0 * alpha[:, None] + _pv_fp8(p, s0, k0, DOT_DTYPE)
+                acc1 = acc1 * alpha[:, None] + _pv_fp8(p, s1, k1, DOT_DTYPE)
+                acc2 = acc2 * alpha[:, None] + _pv_fp8(p, s2, k2, DOT_DTYPE)
+                acc3 = acc3 * alpha[:, None] + _pv_fp8(p, s3, k3, DOT_DTYPE)
             else:
                 pb = p.to(DOT_DTYPE)
                 acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
@@ -188,7 +218,7 @@ def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, n
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         SCALE_OFFSET=FP8_DS_MLA_SCALE_OFFSET,
-        DOT_DTYPE=dot_dtype(),
+        DOT_DTYPE=dot_dtype(tl.float16 if fmt != KV_BF16 else tl.bfloat16),
         SKIP_EMPTY=skip_empty,
         num_warps=num_warps,
         num_stages=num_stages,

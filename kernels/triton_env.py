@@ -5,8 +5,8 @@ Checked with triton 3.9.0 on CPU:
 
 * ``tl.dot`` of two bf16 tensors returns garbage (errors of 1e11 on unit-normal inputs); fp16
   and fp32 dots are right. Launchers therefore pass ``DOT_DTYPE = tl.float32`` under the
-  interpreter and ``tl.bfloat16`` on a GPU: the CPU tests check indexing, masking, the online
-  softmax and the split merge; the bf16 rounding itself is checked by the GPU lane.
+  interpreter and bf16/fp16 on a GPU: the CPU tests check indexing, masking, the online
+  softmax and the split merge; the 16-bit rounding itself is checked by the GPU lane.
 * fp32 -> float8e4nv conversion rounds wrongly (see :mod:`.fp8_bits`, which avoids it).
 """
 
@@ -19,11 +19,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def dot_dtype():
-    """Operand dtype for the kernels' bf16 matrix products (fp32 under the interpreter)."""
+def dot_dtype(gpu_dtype=None):
+    """Operand dtype for the kernels' matrix products: ``gpu_dtype`` (bf16 by default) on a GPU,
+    fp32 under the interpreter."""
     import triton.language as tl
 
-    return tl.float32 if interpreting() else tl.bfloat16
+    if interpreting():
+        return tl.float32
+    return tl.bfloat16 if gpu_dtype is None else gpu_dtype
 
 
 def import_interpreted(*module_names: str) -> list | None:

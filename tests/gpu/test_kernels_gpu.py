@@ -168,7 +168,7 @@ def _pool_cache(pages, page_pools=64, seed=0):
 @pytest.mark.parametrize("next_n", [1, 4])
 def test_indexer_logits_paged_and_topk_real_shapes(next_n):
     from glmctl.kernels.indexer_logits_paged import indexer_logits_paged, indexer_logits_paged_ref
-    from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_ref
+    from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_ref, kpool_topk_workspace
 
     heads, page_pools, num_req = 32, 64, 8
     max_tokens = 256 * 1024
@@ -198,11 +198,17 @@ def test_indexer_logits_paged_and_topk_real_shapes(next_n):
     kpool_topk_ref(clean, tok_len.reshape(-1).int(), ref_sel, kpool=KPOOL,
                    select_pools=TOPK // KPOOL)
     assert torch.equal(sel, ref_sel)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = kpool_topk_workspace(num_req * next_n, TOPK // KPOOL, sms, _dev())
+    two = torch.full_like(sel, 5)
+    kpool_topk(out, tok_len.reshape(-1).int(), two, kpool=KPOOL, select_pools=TOPK // KPOOL,
+               workspace=ws)
+    assert torch.equal(two, ref_sel)
 
 
 def test_indexer_decode_cuda_graph_replays_with_new_lengths():
     from glmctl.kernels.indexer_logits_paged import indexer_logits_paged, indexer_logits_paged_ref
-    from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_ref
+    from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_ref, kpool_topk_workspace
 
     heads, page_pools, num_req, next_n = 32, 64, 8, 4
     max_pools = 64 * 1024 // KPOOL
@@ -215,10 +221,12 @@ def test_indexer_decode_cuda_graph_replays_with_new_lengths():
     tok_len = torch.zeros(num_req * next_n, dtype=torch.int32, device=_dev())
     logits = torch.zeros(num_req * next_n, max_pools, device=_dev())
     sel = torch.zeros(num_req * next_n, WIDTH, dtype=torch.int32, device=_dev())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = kpool_topk_workspace(num_req * next_n, TOPK // KPOOL, sms, _dev())
 
     def step():
         indexer_logits_paged(q, w, cache, block_table, ctx, logits)
-        kpool_topk(logits, tok_len, sel, kpool=KPOOL, select_pools=TOPK // KPOOL)
+        kpool_topk(logits, tok_len, sel, kpool=KPOOL, select_pools=TOPK // KPOOL, workspace=ws)
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

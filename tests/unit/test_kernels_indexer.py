@@ -103,3 +103,12 @@ def test_kpool_topk_matches_reference_on_ties_short_rows_and_tail():
     assert torch.equal(got, want)
     assert got[0].eq(-1).all()  # an empty (padding) row
     assert got[6, select * kpool : select * kpool + 3].tolist() == [4, -1, -1]  # 1 pool + 1 tail
+    # The two-stage (decode) path: per-slice candidates, then a merge; identical output.
+    for slices in (2, 5):
+        ws = topk.kpool_topk_workspace(rows, select, num_sms=1, device="cpu", slices=slices)
+        ws.values.fill_(float("nan"))
+        ws.pools.fill_(-7)
+        two = torch.full_like(got, 4321)
+        topk.kpool_topk(logits, seq, two, kpool=kpool, select_pools=select, row_starts=starts,
+                        workspace=ws)
+        assert torch.equal(two, want), slices
