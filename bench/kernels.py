@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from glmctl.kernels import indexer_logits_paged as paged_mod
+from glmctl.kernels import sparse_mla_prefill as prefill_mod
 from glmctl.kernels.indexer_logits_paged import (
     indexer_logits_paged,
     indexer_logits_paged_ref,
@@ -143,13 +144,13 @@ def selection(rows: int, context: int, session_of_row: torch.Tensor) -> torch.Te
     return idx
 
 
-def with_config(plan: SparseMLADecodePlan, block_n, warps, stages, splits=None):
+def with_config(plan: SparseMLADecodePlan, block_n, warps, stages, prefetch, splits=None):
     splits = plan.num_splits if splits is None else splits
     per_split = -(-WIDTH // splits)
     split_len = -(-per_split // block_n) * block_n
     splits = -(-WIDTH // split_len)
     return dataclasses.replace(plan, block_n=block_n, num_warps=warps, num_stages=stages,
-                               split_len=split_len, num_splits=splits)
+                               prefetch=prefetch, split_len=split_len, num_splits=splits)
 
 
 def mla_bytes(rows, heads, fmt):
@@ -170,28 +171,31 @@ def bench_decode(results, copy_bw, sms, quick):
     q = torch.randn(rows, heads, 512, device=DEV).to(torch.bfloat16)
     out = torch.empty_like(q)
     lse = torch.empty(rows, heads, device=DEV)
-    base = plan_sparse_mla_decode(rows, heads, WIDTH, sms)
+    sweeps = {"fp8_ds_mla": [(32, 4, 1, True), (64, 4, 1, True), (32, 8, 1, True),
+                             (16, 4, 1, True), (32, 4, 1, False)],
+              "bf16": [(64, 4, 2, False), (32, 4, 2, False), (32, 4, 1, True),
+                       (64, 4, 3, False)]}
     for fmt in fmts:
+        base = plan_sparse_mla_decode(rows, heads, WIDTH, sms, kv_format=fmt)
         cache = latent_cache(fmt, 8 * CONTEXTS["64k"])
-        for cfg in [(32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 4, 2), (32, 8, 2)]:
-            if fmt == "bf16" and cfg[0] == 64 and cfg[1] == 8:
-                continue
-            for splits in sorted({base.num_splits, 4, 8, 12, 16}):
+        for cfg in sweeps[fmt]:
+            for splits in sorted({base.num_splits, 6, 8, 12, 16}):
                 plan = with_config(base, *cfg, splits=splits)
                 ws = sparse_mla_decode_workspace([plan], DEV)
                 t = graph_time(partial(sparse_mla_decode, q, cache, idx, SCALE, out, lse, plan,
                                        ws))
                 frac = mla_bytes(rows, heads, fmt) / t / copy_bw
                 sweep.append({"kv": fmt, "block_n": cfg[0], "warps": cfg[1], "stages": cfg[2],
-                              "splits": plan.num_splits, "us": t * 1e6, "copy_fraction": frac})
+                              "prefetch": cfg[3], "splits": plan.num_splits, "us": t * 1e6,
+                              "copy_fraction": frac})
                 if fmt not in best or t < best[fmt][1]:
                     best[fmt] = (cfg, t, plan.num_splits)
                 print(f"sweep decode {fmt} {cfg} splits={plan.num_splits}: {t * 1e6:.1f} us "
                       f"{frac:.0%}", flush=True)
         cache = None
     results["decode_sweep"] = sweep
-    results["decode_best_config"] = {fmt: {"block_n_warps_stages": b[0], "splits_at_32_rows": b[2]}
-                                     for fmt, b in best.items()}
+    results["decode_best_config"] = {fmt: {"block_n_warps_stages_prefetch": b[0],
+                                           "splits_at_32_rows": b[2]} for fmt, b in best.items()}
     for fmt in fmts:
         for ctx_name in contexts:
             ctx = CONTEXTS[ctx_name]
@@ -204,7 +208,7 @@ def bench_decode(results, copy_bw, sms, quick):
                 q = torch.randn(rows, HEADS_TP8, 512, device=DEV).to(torch.bfloat16)
                 out = torch.empty_like(q)
                 lse = torch.empty(rows, HEADS_TP8, device=DEV)
-                plan = plan_sparse_mla_decode(rows, HEADS_TP8, WIDTH, sms)
+                plan = plan_sparse_mla_decode(rows, HEADS_TP8, WIDTH, sms, kv_format=fmt)
                 plan = with_config(plan, *best[fmt][0], splits=plan.num_splits)
                 ws = sparse_mla_decode_workspace([plan], DEV)
                 t = graph_time(partial(sparse_mla_decode, q, cache, idx, SCALE, out, lse, plan, ws))
@@ -247,13 +251,14 @@ def sweep_indexer(results, copy_bw):
     shipped = paged_mod.PAGED_CONFIG
     best, sweep = None, []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in [(64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (32, 4, 4)]:
+    for cfg in [(64, 4, 1, True), (64, 8, 1, True), (128, 8, 1, True), (32, 4, 1, True),
+                (64, 4, 2, False)]:
         for per_sm in (1, 2, 4):
             paged_mod.PAGED_CONFIG = cfg
             t = graph_time(partial(indexer_logits_paged, q, w, cache, block_table, ctx, logits,
                                    num_programs=per_sm * sms))
             sweep.append({"block_n": cfg[0], "warps": cfg[1], "stages": cfg[2],
-                          "programs_per_sm": per_sm, "us": t * 1e6,
+                          "prefetch": cfg[3], "programs_per_sm": per_sm, "us": t * 1e6,
                           "copy_fraction": moved / t / copy_bw})
             print(f"sweep indexer {cfg} x{per_sm}/SM: {t * 1e6:.1f} us "
                   f"{moved / t / copy_bw:.0%}", flush=True)
@@ -261,7 +266,7 @@ def sweep_indexer(results, copy_bw):
                 best = (cfg, t, per_sm)
     paged_mod.PAGED_CONFIG = best[0] if best else shipped
     results["indexer_sweep"] = sweep
-    results["indexer_best_config"] = {"block_n_warps_stages": best[0],
+    results["indexer_best_config"] = {"block_n_warps_stages_prefetch": best[0],
                                       "programs_per_sm": best[2]}
     return best[2] * sms
 
@@ -331,6 +336,17 @@ def bench_prefill(results, quick):
             lse = torch.empty(tokens, heads, device=DEV)
             t = graph_time(partial(sparse_mla_prefill, q, cache, idx, SCALE, out, lse), iters=2,
                            reps=2)
+            if tokens == 8192:  # the other gather loop, for the record
+                shipped = dict(prefill_mod.PREFILL_CONFIGS)
+                for key, cfg in shipped.items():
+                    prefill_mod.PREFILL_CONFIGS[key] = cfg[:4] + (not cfg[4],)
+                t_other = graph_time(partial(sparse_mla_prefill, q, cache, idx, SCALE, out, lse),
+                                     iters=2, reps=2)
+                prefill_mod.PREFILL_CONFIGS.update(shipped)
+                results.setdefault("prefill_other_loop", []).append(
+                    {"heads": heads, "shipped_us": t * 1e6, "other_loop_us": t_other * 1e6})
+                print(f"prefill H{heads}: shipped {t * 1e6:.0f} us, other gather loop "
+                      f"{t_other * 1e6:.0f} us", flush=True)
             sub = 512
             t_ref = eager_time(partial(sparse_mla_prefill_ref, q[:sub], cache, idx[:sub], SCALE),
                                reps=1) * tokens / sub

@@ -40,8 +40,34 @@ import triton.language as tl
 from .layouts import INDEXER_HEAD_DIM, indexer_page_views
 from .triton_env import dot_dtype, interpreting
 
-# (BLOCK_N, num_warps, num_stages); compiled for sm_89 in tests/unit/test_kernels_sm89.py.
-PAGED_CONFIG = (64, 4, 3)
+# (BLOCK_N, num_warps, num_stages, prefetch); compiled for sm_89 in
+# tests/unit/test_kernels_sm89.py.
+PAGED_CONFIG = (64, 4, 1, True)
+
+
+@triton.jit
+def _load_keys(kv_ptr, kv_f32_ptr, page, pools, ok, page_stride, PAGE_POOLS: tl.constexpr):
+    """fp8 keys [BLOCK_N, 128] (as stored) and their fp32 scales, from each pool's page."""
+    d = tl.arange(0, 128)
+    slot = pools % PAGE_POOLS
+    page_base = page.to(tl.int64) * page_stride
+    k = tl.load(kv_ptr + page_base[:, None] + slot[:, None] * 128 + d[None, :], mask=ok[:, None],
+                other=0.0)
+    k_scale = tl.load(kv_f32_ptr + (page_base + PAGE_POOLS * 128) // 4 + slot, mask=ok,
+                      other=0.0)
+    return k, k_scale
+
+
+@triton.jit
+def _score_tile(k, k_scale, q, w, ctx, tile, out_ptr, out_rows, N: tl.constexpr,
+                N_PAD: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_DTYPE: tl.constexpr):
+    pools = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = tl.arange(0, N_PAD)
+    scores = tl.maximum(tl.dot(k.to(DOT_DTYPE), tl.trans(q)), 0.0) * w[None, :]
+    logits = tl.sum(tl.reshape(scores, [BLOCK_N, N_PAD, H]), axis=2) * k_scale[:, None]
+    keep = (toks[None, :] < N) & (pools[:, None] < ctx[None, :])
+    tl.store(out_ptr + out_rows[None, :] + pools[:, None], logits, mask=keep)
 
 
 @triton.jit
@@ -50,6 +76,7 @@ def _indexer_logits_paged_kernel(
     bt_ptr, bt_stride, ctx_ptr, out_ptr, out_stride, num_req, num_programs,
     N: tl.constexpr, N_PAD: tl.constexpr, H: tl.constexpr, PAGE_POOLS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Programs per request in proportion to its tiles (>= 1 if it has any, <= its tiles).
@@ -85,20 +112,37 @@ def _indexer_logits_paged_kernel(
         ctx_max = tl.max(ctx, axis=0)
         out_rows = (req * N + toks).to(tl.int64) * out_stride
         bt_row = bt_ptr + req.to(tl.int64) * bt_stride
-        for tile in range(first, last):
-            pools = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            in_ctx = pools < ctx_max
-            page = tl.load(bt_row + pools // PAGE_POOLS, mask=in_ctx, other=0).to(tl.int64)
-            slot = pools % PAGE_POOLS
-            page_base = page * page_stride
-            k = tl.load(kv_ptr + page_base[:, None] + slot[:, None] * 128 + d[None, :],
-                        mask=in_ctx[:, None], other=0.0).to(DOT_DTYPE)
-            k_scale = tl.load(kv_f32_ptr + (page_base + PAGE_POOLS * 128) // 4 + slot,
-                              mask=in_ctx, other=0.0)
-            scores = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]  # [BLOCK_N, N*H]
-            logits = tl.sum(tl.reshape(scores, [BLOCK_N, N_PAD, H]), axis=2) * k_scale[:, None]
-            keep = (toks[None, :] < N) & (pools[:, None] < ctx[None, :])
-            tl.store(out_ptr + out_rows[None, :] + pools[:, None], logits, mask=keep)
+        if PREFETCH:
+            # Register double buffering: keys of tile i+1 load while tile i is scored; page
+            # numbers two tiles ahead (each tile's keys depend on its page-table entry).
+            # Pools past the program's last tile are masked like pools past the context.
+            limit = tl.minimum(ctx_max, last * BLOCK_N)
+            pools = first * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = pools < limit
+            page = tl.load(bt_row + pools // PAGE_POOLS, mask=ok, other=0)
+            k_next, scale_next = _load_keys(kv_ptr, kv_f32_ptr, page, pools, ok, page_stride,
+                                            PAGE_POOLS)
+            pools = (first + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            page_next = tl.load(bt_row + pools // PAGE_POOLS, mask=pools < limit, other=0)
+            for tile in range(first, last):
+                k, k_scale = k_next, scale_next
+                pools = (tile + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = pools < limit
+                k_next, scale_next = _load_keys(kv_ptr, kv_f32_ptr, page_next, pools, ok,
+                                                page_stride, PAGE_POOLS)
+                pools = (tile + 2) * BLOCK_N + tl.arange(0, BLOCK_N)
+                page_next = tl.load(bt_row + pools // PAGE_POOLS, mask=pools < limit, other=0)
+                _score_tile(k, k_scale, q, w, ctx, tile, out_ptr, out_rows, N, N_PAD, H, BLOCK_N,
+                            DOT_DTYPE)
+        else:
+            for tile in range(first, last):
+                pools = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = pools < ctx_max
+                page = tl.load(bt_row + pools // PAGE_POOLS, mask=ok, other=0)
+                k, k_scale = _load_keys(kv_ptr, kv_f32_ptr, page, pools, ok, page_stride,
+                                        PAGE_POOLS)
+                _score_tile(k, k_scale, q, w, ctx, tile, out_ptr, out_rows, N, N_PAD, H, BLOCK_N,
+                            DOT_DTYPE)
 
 
 @functools.cache
@@ -124,7 +168,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: t
     if num_req == 0:
         return out
     page_values, _ = indexer_page_views(kv_cache)
-    block_n, num_warps, num_stages = PAGED_CONFIG
+    block_n, num_warps, num_stages, prefetch = PAGED_CONFIG
     if num_programs is None:
         num_programs = default_num_programs(q_fp8.device)
     _indexer_logits_paged_kernel[(num_programs + num_req,)](
@@ -133,7 +177,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: t
         num_req, num_programs,
         N=next_n, N_PAD=triton.next_power_of_2(next_n), H=heads, PAGE_POOLS=kv_cache.shape[1],
         BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(num_req)),
-        DOT_DTYPE=dot_dtype(tl.float16),
+        DOT_DTYPE=dot_dtype(tl.float16), PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

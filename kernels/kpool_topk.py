@@ -22,9 +22,10 @@ so far, which yields the ``select_pools``-th largest key; a last pass in index o
 keys above it and the first ties, so the result is deterministic and sorted by pool.
 
 * without a workspace: one program per row does it all (enough for prefill, which has many rows);
-* with :func:`kpool_topk_workspace` (decode, few rows): stage 1 splits each row into ``slices``
-  programs that each keep their slice's best ``select_pools`` (value, pool) candidates; stage 2
-  selects among the candidates. The best pools of a row are among its slices' best, and ties
+* with :func:`kpool_topk_workspace` (decode, few rows): stage 1 splits each row of more than
+  ``direct_max`` pools into ``slices`` programs that each keep their slice's best
+  ``select_pools`` (value, pool) candidates; stage 2 selects among the candidates (shorter rows
+  are selected in one pass by stage 2; the choice is made per row on the device). The best pools of a row are among its slices' best, and ties
   still go to the lowest pools, so both paths give identical output.
 """
 
@@ -38,6 +39,9 @@ import triton.language as tl
 
 # (BLOCK, num_warps); compiled for sm_89 in tests/unit/test_kernels_sm89.py.
 TOPK_CONFIG = (1024, 4)
+# With a workspace, rows of at most this many pools still take the one-pass path (stage 2 alone):
+# measured on the H200, splitting pays only above ~64k tokens (4096 pools).
+DIRECT_MAX_POOLS = 4096
 
 
 @triton.jit
@@ -86,13 +90,13 @@ def _threshold(vals, idxs, count, k, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr)
 def _kpool_topk_slices_kernel(
     logits_ptr, logits_stride, starts_ptr, seq_ptr, cand_val_ptr, cand_idx_ptr,
     HAS_STARTS: tl.constexpr, KPOOL: tl.constexpr, SELECT: tl.constexpr,
-    SLICES: tl.constexpr, BLOCK: tl.constexpr,
+    SLICES: tl.constexpr, DIRECT_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Stage 1: the best SELECT (value, pool) of one slice of a row, in pool order."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n = tl.maximum(tl.load(seq_ptr + row), 0) // KPOOL
-    if n > SELECT:  # shorter rows are written whole by stage 2
+    if n > DIRECT_MAX:  # shorter rows are selected whole by stage 2
         span = (n + SLICES - 1) // SLICES
         lo = part * span
         size = tl.maximum(tl.minimum(lo + span, n) - lo, 0)
@@ -129,58 +133,65 @@ def _kpool_topk_slices_kernel(
 
 
 @triton.jit
+def _select_and_write(vals_ptr, idx_ptr, count, out_row, HAS_IDX: tl.constexpr,
+                      KPOOL: tl.constexpr, SELECT: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the SELECT best of vals[0:count] (pool = position, or idx[position] with HAS_IDX;
+    idx < 0 = not a candidate) as token ranges, in pool order."""
+    prefix, remaining = _threshold(vals_ptr, idx_ptr, count, SELECT, HAS_IDX, BLOCK)
+    lane = tl.arange(0, BLOCK)
+    sub = tl.arange(0, KPOOL)
+    written = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    for c0 in range(0, count, BLOCK):
+        offs = c0 + lane
+        inside = offs < count
+        if HAS_IDX:
+            pool = tl.load(idx_ptr + offs, mask=inside, other=-1)
+            inside = inside & (pool >= 0)
+        else:
+            pool = offs
+        key = _order_key(tl.load(vals_ptr + offs, mask=inside, other=0.0))
+        above = inside & (key > prefix)
+        tie = (inside & (key == prefix)).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+        take = above | ((tie > 0) & (tie_rank < remaining))
+        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tokens = pool[:, None] * KPOOL + sub[None, :]
+        tl.store(out_row + pos[:, None] * KPOOL + sub[None, :], tokens, mask=take[:, None])
+        written += tl.sum(take.to(tl.int32), axis=0)
+        ties_seen += tl.sum(tie, axis=0)
+
+
+@triton.jit
 def _kpool_topk_kernel(
     logits_ptr, logits_stride, starts_ptr, seq_ptr, cand_val_ptr, cand_idx_ptr,
     out_ptr, out_stride, out_width,
-    HAS_STARTS: tl.constexpr, MERGE: tl.constexpr, CAND: tl.constexpr, KPOOL: tl.constexpr,
-    SELECT: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+    HAS_STARTS: tl.constexpr, MERGE: tl.constexpr, CAND: tl.constexpr, DIRECT_MAX: tl.constexpr,
+    KPOOL: tl.constexpr, SELECT: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
 ):
-    """One row: select among the row's logits (or, with MERGE, among its stage-1 candidates),
-    expand the chosen pools to tokens, append the tail, pad with -1."""
+    """One row: select among the row's logits (or, with MERGE and more than DIRECT_MAX pools,
+    among its stage-1 candidates), expand the chosen pools to tokens, append the tail, pad -1."""
     row = tl.program_id(0).to(tl.int64)
     seq = tl.maximum(tl.load(seq_ptr + row), 0)
     n = seq // KPOOL
     out_row = out_ptr + row * out_stride
     lane = tl.arange(0, BLOCK)
-    sub = tl.arange(0, KPOOL)
+    row_logits = logits_ptr + row * logits_stride
+    if HAS_STARTS:
+        row_logits += tl.load(starts_ptr + row)
 
     if n <= SELECT:
         for c0 in range(0, SELECT * KPOOL, BLOCK):
             col = c0 + lane
             tl.store(out_row + col, tl.where(col < n * KPOOL, col, -1), mask=col < SELECT * KPOOL)
-    else:
-        if MERGE:
-            vals_ptr = cand_val_ptr + row * CAND
-            idx_ptr = cand_idx_ptr + row * CAND
-            count = CAND
+    elif MERGE:
+        if n > DIRECT_MAX:
+            _select_and_write(cand_val_ptr + row * CAND, cand_idx_ptr + row * CAND, CAND,
+                              out_row, True, KPOOL, SELECT, BLOCK)
         else:
-            vals_ptr = logits_ptr + row * logits_stride
-            if HAS_STARTS:
-                vals_ptr += tl.load(starts_ptr + row)
-            idx_ptr = cand_idx_ptr
-            count = n
-        prefix, remaining = _threshold(vals_ptr, idx_ptr, count, SELECT, MERGE, BLOCK)
-        # Take every key above the threshold and the first `remaining` equal to it, in order.
-        written = tl.zeros([], tl.int32)
-        ties_seen = tl.zeros([], tl.int32)
-        for c0 in range(0, count, BLOCK):
-            offs = c0 + lane
-            inside = offs < count
-            if MERGE:
-                pool = tl.load(idx_ptr + offs, mask=inside, other=-1)
-                inside = inside & (pool >= 0)
-            else:
-                pool = offs
-            key = _order_key(tl.load(vals_ptr + offs, mask=inside, other=0.0))
-            above = inside & (key > prefix)
-            tie = (inside & (key == prefix)).to(tl.int32)
-            tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
-            take = above | ((tie > 0) & (tie_rank < remaining))
-            pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tokens = pool[:, None] * KPOOL + sub[None, :]
-            tl.store(out_row + pos[:, None] * KPOOL + sub[None, :], tokens, mask=take[:, None])
-            written += tl.sum(take.to(tl.int32), axis=0)
-            ties_seen += tl.sum(tie, axis=0)
+            _select_and_write(row_logits, cand_idx_ptr, n, out_row, False, KPOOL, SELECT, BLOCK)
+    else:
+        _select_and_write(row_logits, cand_idx_ptr, n, out_row, False, KPOOL, SELECT, BLOCK)
 
     tail = tl.arange(0, TAIL)
     tail_tok = n * KPOOL + tail
@@ -218,8 +229,10 @@ def kpool_topk_workspace(max_rows: int, select_pools: int, num_sms: int,
 
 def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, kpool: int,
                select_pools: int, row_starts: torch.Tensor | None = None,
-               workspace: KpoolTopkWorkspace | None = None) -> torch.Tensor:
-    """Triton kernels; same contract as :func:`kpool_topk_ref` (see module doc)."""
+               workspace: KpoolTopkWorkspace | None = None,
+               direct_max: int = DIRECT_MAX_POOLS) -> torch.Tensor:
+    """Triton kernels; same contract as :func:`kpool_topk_ref` (see module doc). With a
+    workspace, rows of more than ``direct_max`` pools are split into slices first."""
     num_rows = logits.shape[0]
     assert out.dtype == torch.int32 and out.stride(1) == 1 and logits.stride(1) == 1
     assert out.shape[1] >= select_pools * kpool + kpool - 1 and kpool & (kpool - 1) == 0
@@ -233,7 +246,8 @@ def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, 
         _kpool_topk_slices_kernel[(num_rows, workspace.slices)](
             logits, logits.stride(0), starts, seq_lens, workspace.values, workspace.pools,
             HAS_STARTS=row_starts is not None, KPOOL=kpool, SELECT=select_pools,
-            SLICES=workspace.slices, BLOCK=block, num_warps=num_warps,
+            SLICES=workspace.slices, DIRECT_MAX=max(direct_max, select_pools), BLOCK=block,
+            num_warps=num_warps,
         )
     cand_v = workspace.values if merge else logits
     cand_i = workspace.pools if merge else seq_lens
@@ -241,7 +255,8 @@ def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, 
         logits, logits.stride(0), starts, seq_lens, cand_v, cand_i, out, out.stride(0),
         out.shape[1],
         HAS_STARTS=row_starts is not None, MERGE=merge,
-        CAND=workspace.slices * select_pools if merge else 1, KPOOL=kpool, SELECT=select_pools,
+        CAND=workspace.slices * select_pools if merge else 1,
+        DIRECT_MAX=max(direct_max, select_pools), KPOOL=kpool, SELECT=select_pools,
         BLOCK=block, TAIL=max(2, triton.next_power_of_2(kpool - 1)), num_warps=num_warps,
     )
     return out

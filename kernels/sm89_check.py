@@ -36,17 +36,17 @@ def shipped_configs():
         out_ptr="*fp32", out_stride_t=i64, out_stride_s=i64, out_stride_h=i64, lse_ptr="*fp32",
         lse_stride_t=i64, lse_stride_s=i64, num_heads=i32, sm_scale_log2=f32, split_len=i32,
     )
-    configs = set(sparse_mla_prefill.PREFILL_CONFIGS.values())
-    configs |= set(sparse_mla_decode.DECODE_CONFIGS.values())
-    for block_h, block_n, warps, stages in sorted(configs):
-        for fp8 in (True, False):
-            types = dict(mla_types, kv_ptr="*fp8e4nv" if fp8 else "*bf16")
-            yield (f"sparse_mla[{'fp8' if fp8 else 'bf16'} h{block_h} n{block_n} w{warps} "
-                   f"s{stages}]", sparse_mla_prefill._sparse_mla_kernel, types,
-                   dict(FP8=fp8, PARTIAL=True, BLOCK_H=block_h, BLOCK_N=block_n,
-                        SCALE_OFFSET=512, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
-                        SKIP_EMPTY=False),
-                   dict(num_warps=warps, num_stages=stages))
+    configs = {(fmt,) + cfg for (fmt, _), cfg in sparse_mla_prefill.PREFILL_CONFIGS.items()}
+    configs |= {(fmt,) + cfg for (fmt, _), cfg in sparse_mla_decode.DECODE_CONFIGS.items()}
+    for fmt, block_h, block_n, warps, stages, prefetch in sorted(configs):
+        fp8 = fmt != "bf16"
+        types = dict(mla_types, kv_ptr="*fp8e4nv" if fp8 else "*bf16")
+        yield (f"sparse_mla[{fmt} h{block_h} n{block_n} w{warps} s{stages}"
+               f"{' prefetch' if prefetch else ''}]", sparse_mla_prefill._sparse_mla_kernel, types,
+               dict(FP8=fp8, PARTIAL=True, BLOCK_H=block_h, BLOCK_N=block_n,
+                    SCALE_OFFSET=512, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
+                    SKIP_EMPTY=not prefetch, PREFETCH=prefetch),
+               dict(num_warps=warps, num_stages=stages))
     yield ("sparse_mla_combine[16 splits]", sparse_mla_decode._combine_kernel,
            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", out_stride_t=i64,
                 out_stride_h=i64, lse_ptr="*fp32", lse_stride_t=i64, num_heads=i32,
@@ -58,7 +58,7 @@ def shipped_configs():
                 cache_f32_ptr="*fp32", block_size=i32, block_stride=i64, row_stride=i64),
            dict(FP8=True, TILES=4, TILE=128, SCALE_OFFSET=512, ROW_BYTES=656),
            dict(num_warps=2, num_stages=1))
-    block_n, warps, stages = indexer_logits_paged.PAGED_CONFIG
+    block_n, warps, stages, prefetch = indexer_logits_paged.PAGED_CONFIG
     for next_n in (1, 4):
         yield (f"indexer_logits_paged[N{next_n} H32 n{block_n}]",
                indexer_logits_paged._indexer_logits_paged_kernel,
@@ -66,7 +66,7 @@ def shipped_configs():
                     page_stride=i64, bt_ptr="*i32", bt_stride=i64, ctx_ptr="*i32",
                     out_ptr="*fp32", out_stride=i64, num_req=i32, num_programs=i32),
                dict(N=next_n, N_PAD=next_n, H=32, PAGE_POOLS=64, BLOCK_N=block_n, BLOCK_B=256,
-                    DOT_DTYPE=tl.float16),
+                    DOT_DTYPE=tl.float16, PREFETCH=prefetch),
                dict(num_warps=warps, num_stages=stages))
     for heads, (block_m, block_n, warps, stages) in sorted(
             indexer_logits_ragged.RAGGED_CONFIGS.items()):
@@ -84,11 +84,13 @@ def shipped_configs():
     for merge in (False, True):
         yield (f"kpool_topk[kpool16 select128 {'merge of 16 slices' if merge else 'one pass'}]",
                kpool_topk._kpool_topk_kernel, topk_types,
-               dict(HAS_STARTS=not merge, MERGE=merge, CAND=16 * 128 if merge else 1, KPOOL=16,
-                    SELECT=128, BLOCK=block, TAIL=16),
+               dict(HAS_STARTS=not merge, MERGE=merge, CAND=16 * 128 if merge else 1,
+                    DIRECT_MAX=kpool_topk.DIRECT_MAX_POOLS, KPOOL=16, SELECT=128, BLOCK=block,
+                    TAIL=16),
                dict(num_warps=warps, num_stages=1))
     yield ("kpool_topk_slices[16 slices]", kpool_topk._kpool_topk_slices_kernel, topk_types,
-           dict(HAS_STARTS=False, KPOOL=16, SELECT=128, SLICES=16, BLOCK=block),
+           dict(HAS_STARTS=False, KPOOL=16, SELECT=128, SLICES=16,
+                DIRECT_MAX=kpool_topk.DIRECT_MAX_POOLS, BLOCK=block),
            dict(num_warps=warps, num_stages=1))
 
 

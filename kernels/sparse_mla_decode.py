@@ -24,11 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse_mla_prefill import launch_sparse_mla_kernel, sparse_mla_prefill_ref
+from .layouts import KV_BF16, KV_FP8_DS_MLA, mla_kv_format
+from .sparse_mla_prefill import launch_sparse_mla_kernel, pick_config, sparse_mla_prefill_ref
 
-# (BLOCK_H, BLOCK_N, num_warps, num_stages) by heads per rank; each is compiled for sm_89 in
-# tests/unit/test_kernels_sm89.py.
-DECODE_CONFIGS = {16: (16, 32, 4, 1), 32: (32, 32, 8, 1), 64: (32, 32, 8, 1)}
+# (BLOCK_H, BLOCK_N, num_warps, num_stages, prefetch) by (cache format, up to this many heads per
+# rank); each is compiled for sm_89 in tests/unit/test_kernels_sm89.py.
+DECODE_CONFIGS = {
+    (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, True),
+    (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, True),
+    (KV_BF16, 16): (16, 64, 4, 2, False),
+    (KV_BF16, 64): (32, 32, 8, 2, False),
+}
 MAX_SPLITS = 16
 # Aim for this many programs per SM so the gather has enough loads in flight.
 PROGRAMS_PER_SM = 2
@@ -46,6 +52,8 @@ class SparseMLADecodePlan:
     block_n: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False
+    kv_format: str = KV_FP8_DS_MLA
 
     @property
     def partial_rows(self) -> int:
@@ -61,18 +69,13 @@ class SparseMLADecodeWorkspace:
     partial_lse: torch.Tensor
 
 
-def _decode_config(num_heads: int) -> tuple[int, int, int, int]:
-    for limit in sorted(DECODE_CONFIGS):
-        if num_heads <= limit:
-            return DECODE_CONFIGS[limit]
-    return DECODE_CONFIGS[max(DECODE_CONFIGS)]
-
-
-def plan_sparse_mla_decode(num_tokens: int, num_heads: int, topk_width: int,
-                           num_sms: int) -> SparseMLADecodePlan:
+def plan_sparse_mla_decode(num_tokens: int, num_heads: int, topk_width: int, num_sms: int,
+                           kv_format: str = KV_FP8_DS_MLA) -> SparseMLADecodePlan:
     """Pick the split count from the SM count and the batch: enough programs to cover
-    ``PROGRAMS_PER_SM`` waves, at most ``MAX_SPLITS`` and at least two tiles per split."""
-    block_h, block_n, num_warps, num_stages = _decode_config(num_heads)
+    ``PROGRAMS_PER_SM`` waves, at most ``MAX_SPLITS`` and at least two tiles per split; the tile
+    configuration from the cache format (``layouts.KV_FP8_DS_MLA`` or ``layouts.KV_BF16``)."""
+    block_h, block_n, num_warps, num_stages, prefetch = pick_config(DECODE_CONFIGS, kv_format,
+                                                                    num_heads)
     programs = max(1, num_tokens) * triton.cdiv(num_heads, block_h)
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
     most = max(1, min(MAX_SPLITS, topk_width // (2 * block_n)))
@@ -80,7 +83,7 @@ def plan_sparse_mla_decode(num_tokens: int, num_heads: int, topk_width: int,
     split_len = triton.cdiv(triton.cdiv(topk_width, splits), block_n) * block_n
     splits = triton.cdiv(topk_width, split_len)
     return SparseMLADecodePlan(num_tokens, num_heads, splits, split_len, block_h, block_n,
-                               num_warps, num_stages)
+                               num_warps, num_stages, prefetch, kv_format)
 
 
 def sparse_mla_decode_workspace(plans: list[SparseMLADecodePlan],
@@ -132,8 +135,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     if num_tokens > plan.num_tokens or num_heads != plan.num_heads:
         raise ValueError(f"plan is for {plan.num_tokens} tokens x {plan.num_heads} heads, "
                          f"got {num_tokens} x {num_heads}")
+    if mla_kv_format(kv_cache) != plan.kv_format:
+        raise ValueError(f"plan is for a {plan.kv_format} cache, got {mla_kv_format(kv_cache)}")
     common = dict(split_len=plan.split_len, block_h=plan.block_h, block_n=plan.block_n,
-                  num_warps=plan.num_warps, num_stages=plan.num_stages, skip_empty=False)
+                  num_warps=plan.num_warps, num_stages=plan.num_stages, skip_empty=False,
+                  prefetch=plan.prefetch)
     if plan.num_splits == 1:
         launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, num_splits=1,
                                  partial=False, **common)

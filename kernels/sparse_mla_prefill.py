@@ -36,6 +36,7 @@ import triton.language as tl
 from .layouts import (
     FP8_DS_MLA_SCALE_OFFSET,
     KV_BF16,
+    KV_FP8_DS_MLA,
     LATENT_DIM,
     flat_rows,
     mla_kv_format,
@@ -44,15 +45,31 @@ from .layouts import dequant_latent_rows as _dequant
 from .triton_env import dot_dtype
 
 LOG2E = 1.4426950408889634
-# Shipped configurations (BLOCK_H, BLOCK_N, num_warps, num_stages); every one is compiled for
-# sm_89 in tests/unit/test_kernels_sm89.py to prove it fits 99 KB of shared memory.
-PREFILL_CONFIGS = {16: (16, 32, 4, 1), 32: (32, 32, 8, 1), 64: (32, 32, 8, 1)}
+# Shipped configurations, (BLOCK_H, BLOCK_N, num_warps, num_stages, prefetch) by (cache format,
+# up to this many heads per rank); every one is compiled for sm_89 in
+# tests/unit/test_kernels_sm89.py to prove it fits 99 KB of shared memory. fp8 rows are gathered
+# with explicit double buffering (prefetch), bf16 rows through Triton's pipeliner (num_stages).
+PREFILL_CONFIGS = {
+    (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, True),
+    (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, True),
+    (KV_BF16, 16): (16, 64, 4, 2, False),
+    (KV_BF16, 64): (32, 32, 8, 2, False),
+}
+
+
+def pick_config(table: dict, kv_format: str, num_heads: int) -> tuple:
+    """The entry of ``table`` for this cache format with the fewest heads >= ``num_heads``."""
+    fitting = sorted(h for f, h in table if f == kv_format and h >= num_heads)
+    if not fitting:
+        raise ValueError(f"no {kv_format} sparse-MLA config for {num_heads} heads per rank")
+    return table[(kv_format, fitting[0])]
 
 
 @triton.jit
 def _load_tile(kv_ptr, kv_f32_ptr, rows, valid, t: tl.constexpr, row_stride,
-               FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Tile ``t`` (128 wide) of the selected rows (exact in bf16), and its per-row fp32 scale."""
+               FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr):
+    """Tile ``t`` (128 wide) of the selected rows as stored (fp8 or bf16), and its per-row fp32
+    scale (1 for bf16)."""
     d = tl.arange(0, 128)
     base = rows * row_stride
     k = tl.load(kv_ptr + base[:, None] + t * 128 + d[None, :], mask=valid[:, None], other=0.0)
@@ -60,7 +77,7 @@ def _load_tile(kv_ptr, kv_f32_ptr, rows, valid, t: tl.constexpr, row_stride,
         scale = tl.load(kv_f32_ptr + (base + SCALE_OFFSET) // 4 + t, mask=valid, other=0.0)
     else:
         scale = tl.full(rows.shape, 1.0, tl.float32)
-    return k.to(DOT_DTYPE), scale
+    return k, scale
 
 
 @triton.jit
@@ -68,6 +85,47 @@ def _pv_fp8(p, scale, k, DOT_DTYPE: tl.constexpr):
     top = tl.max(scale, axis=0)
     top = tl.where(top > 0.0, top, 1.0)
     return tl.dot((p * (scale / top)[None, :]).to(DOT_DTYPE), k) * top
+
+
+@triton.jit
+def _attend(q0, q1, q2, q3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
+            acc0, acc1, acc2, acc3, sm_scale_log2, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Online-softmax update of one tile of selected rows (k_t as stored, s_t their scales)."""
+    k0 = k0.to(DOT_DTYPE)
+    k1 = k1.to(DOT_DTYPE)
+    k2 = k2.to(DOT_DTYPE)
+    k3 = k3.to(DOT_DTYPE)
+    if FP8:
+        scores = tl.dot(q0, tl.trans(k0)) * s0[None, :]
+        scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
+        scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
+        scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+    else:
+        scores = tl.dot(q0, tl.trans(k0))
+        scores = tl.dot(q1, tl.trans(k1), scores)
+        scores = tl.dot(q2, tl.trans(k2), scores)
+        scores = tl.dot(q3, tl.trans(k3), scores)
+    scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    # A head with no valid column yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_shift)
+    p = tl.exp2(scores - m_shift[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    if FP8:
+        # Values: acc_t += (p * scale_t) @ k8_t, with scale_t / max(scale_t) in the fp16 operand
+        # (<= 1, no fp16 underflow for small latents) and max(scale_t) applied after.
+        acc0 = acc0 * alpha[:, None] + _pv_fp8(p, s0, k0, DOT_DTYPE)
+        acc1 = acc1 * alpha[:, None] + _pv_fp8(p, s1, k1, DOT_DTYPE)
+        acc2 = acc2 * alpha[:, None] + _pv_fp8(p, s2, k2, DOT_DTYPE)
+        acc3 = acc3 * alpha[:, None] + _pv_fp8(p, s3, k3, DOT_DTYPE)
+    else:
+        pb = p.to(DOT_DTYPE)
+        acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+    return m_new, l_sum, acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -85,6 +143,7 @@ def _sparse_mla_kernel(
     SCALE_OFFSET: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SKIP_EMPTY: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -124,55 +183,58 @@ def _sparse_mla_kernel(
     end = tl.minimum(start + split_len, topk)
     idx_row = idx_ptr + tok * idx_stride_t
     lanes = tl.arange(0, BLOCK_N)
-    # Indices are fetched one tile ahead, so a tile waits for its rows only, not for its indices
-    # and then its rows.
-    idx_next = tl.load(idx_row + start + lanes, mask=start + lanes < end, other=-1)
-    for n0 in range(start, end, BLOCK_N):
-        idx = idx_next
-        ahead = n0 + BLOCK_N + lanes
+    if PREFETCH:
+        # Register double buffering: the rows of tile i+1 are loaded (as stored: fp8 rows are
+        # small) while tile i is computed, and indices two tiles ahead. Triton's own pipeliner
+        # does not overlap these gathers when their values are converted before the product.
+        idx = tl.load(idx_row + start + lanes, mask=start + lanes < end, other=-1)
+        valid_n = (idx >= 0) & (idx < num_rows)
+        rows = tl.where(valid_n, idx, 0).to(tl.int64)
+        k0n, s0n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 0, row_stride, FP8, SCALE_OFFSET)
+        k1n, s1n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 1, row_stride, FP8, SCALE_OFFSET)
+        k2n, s2n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 2, row_stride, FP8, SCALE_OFFSET)
+        k3n, s3n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 3, row_stride, FP8, SCALE_OFFSET)
+        ahead = start + BLOCK_N + lanes
         idx_next = tl.load(idx_row + ahead, mask=ahead < end, other=-1)
-        valid = (idx >= 0) & (idx < num_rows)
-        if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), axis=0) > 0:
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            k0, s0 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 0, row_stride, FP8, SCALE_OFFSET,
-                                DOT_DTYPE)
-            k1, s1 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 1, row_stride, FP8, SCALE_OFFSET,
-                                DOT_DTYPE)
-            k2, s2 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 2, row_stride, FP8, SCALE_OFFSET,
-                                DOT_DTYPE)
-            k3, s3 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 3, row_stride, FP8, SCALE_OFFSET,
-                                DOT_DTYPE)
-            if FP8:
-                scores = tl.dot(q0, tl.trans(k0)) * s0[None, :]
-                scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-                scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-                scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
-            else:
-                scores = tl.dot(q0, tl.trans(k0))
-                scores = tl.dot(q1, tl.trans(k1), scores)
-                scores = tl.dot(q2, tl.trans(k2), scores)
-                scores = tl.dot(q3, tl.trans(k3), scores)
-            scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            # A head with no valid column yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_shift)
-            p = tl.exp2(scores - m_shift[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            m = m_new
-            if FP8:
-                # Values: acc_t += (p * scale_t) @ k8_t, with scale_t / max(scale_t) in the fp16
-                # operand (<= 1, no fp16 underflow for small latents) and max(scale_t) after.
-                acc0 = acc0 * alpha[:, None] + _pv_fp8(p, s0, k0, DOT_DTYPE)
-                acc1 = acc1 * alpha[:, None] + _pv_fp8(p, s1, k1, DOT_DTYPE)
-                acc2 = acc2 * alpha[:, None] + _pv_fp8(p, s2, k2, DOT_DTYPE)
-                acc3 = acc3 * alpha[:, None] + _pv_fp8(p, s3, k3, DOT_DTYPE)
-            else:
-                pb = p.to(DOT_DTYPE)
-                acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
-                acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
-                acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
-                acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+        for n0 in range(start, end, BLOCK_N):
+            valid = valid_n
+            k0, s0, k1, s1, k2, s2, k3, s3 = k0n, s0n, k1n, s1n, k2n, s2n, k3n, s3n
+            valid_n = (idx_next >= 0) & (idx_next < num_rows)
+            rows = tl.where(valid_n, idx_next, 0).to(tl.int64)
+            k0n, s0n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 0, row_stride, FP8,
+                                  SCALE_OFFSET)
+            k1n, s1n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 1, row_stride, FP8,
+                                  SCALE_OFFSET)
+            k2n, s2n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 2, row_stride, FP8,
+                                  SCALE_OFFSET)
+            k3n, s3n = _load_tile(kv_ptr, kv_f32_ptr, rows, valid_n, 3, row_stride, FP8,
+                                  SCALE_OFFSET)
+            ahead = n0 + 2 * BLOCK_N + lanes
+            idx_next = tl.load(idx_row + ahead, mask=ahead < end, other=-1)
+            m, l_sum, acc0, acc1, acc2, acc3 = _attend(
+                q0, q1, q2, q3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
+                acc0, acc1, acc2, acc3, sm_scale_log2, FP8, DOT_DTYPE)
+    else:
+        # Indices one tile ahead; Triton's pipeliner (num_stages) may overlap the row loads.
+        idx_next = tl.load(idx_row + start + lanes, mask=start + lanes < end, other=-1)
+        for n0 in range(start, end, BLOCK_N):
+            idx = idx_next
+            ahead = n0 + BLOCK_N + lanes
+            idx_next = tl.load(idx_row + ahead, mask=ahead < end, other=-1)
+            valid = (idx >= 0) & (idx < num_rows)
+            if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), axis=0) > 0:
+                rows = tl.where(valid, idx, 0).to(tl.int64)
+                k0, s0 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 0, row_stride, FP8,
+                                    SCALE_OFFSET)
+                k1, s1 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 1, row_stride, FP8,
+                                    SCALE_OFFSET)
+                k2, s2 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 2, row_stride, FP8,
+                                    SCALE_OFFSET)
+                k3, s3 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 3, row_stride, FP8,
+                                    SCALE_OFFSET)
+                m, l_sum, acc0, acc1, acc2, acc3 = _attend(
+                    q0, q1, q2, q3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
+                    acc0, acc1, acc2, acc3, sm_scale_log2, FP8, DOT_DTYPE)
 
     has_any = l_sum > 0.0
     inv = tl.where(has_any, 1.0 / tl.where(has_any, l_sum, 1.0), 0.0)
@@ -189,7 +251,7 @@ def _sparse_mla_kernel(
 
 def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, num_splits,
                              split_len, block_h, block_n, num_warps, num_stages, partial,
-                             skip_empty=True):
+                             skip_empty=True, prefetch=False):
     """Launch the attention kernel (shared by prefill and decode stage 1)."""
     fmt = mla_kv_format(kv_cache)
     rows = flat_rows(kv_cache)
@@ -220,27 +282,21 @@ def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, n
         SCALE_OFFSET=FP8_DS_MLA_SCALE_OFFSET,
         DOT_DTYPE=dot_dtype(tl.float16 if fmt != KV_BF16 else tl.bfloat16),
         SKIP_EMPTY=skip_empty,
+        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
     )
 
 
-def prefill_config(num_heads: int) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for a head count (heads per rank)."""
-    for limit in sorted(PREFILL_CONFIGS):
-        if num_heads <= limit:
-            return PREFILL_CONFIGS[limit]
-    return PREFILL_CONFIGS[max(PREFILL_CONFIGS)]
-
-
 def sparse_mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                        softmax_scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Sparse MLA for many query tokens, each with its own selection (no split-K)."""
-    block_h, block_n, num_warps, num_stages = prefill_config(q.shape[1])
+    block_h, block_n, num_warps, num_stages, prefetch = pick_config(
+        PREFILL_CONFIGS, mla_kv_format(kv_cache), q.shape[1])
     launch_sparse_mla_kernel(
         q, kv_cache, indices, softmax_scale, out, lse, num_splits=1, split_len=indices.shape[1],
         block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        partial=False,
+        partial=False, prefetch=prefetch,
     )
 
 

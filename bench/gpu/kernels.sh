@@ -29,5 +29,5 @@ grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/kernels-gpu-tests.log" | head -20
 python3 bench/kernels.py --out "$OUT/kernels-bench.json" --deadline "${BENCH_SECONDS:-130}" \
   > "$OUT/kernels-bench.log" 2>&1
 echo "bench exit $?"
-grep -E "^sweep|failed" "$OUT/kernels-bench.log" | tail -12
+grep -E "^sweep|^prefill|failed" "$OUT/kernels-bench.log" | tail -60
 cat "$OUT/kernels-bench.txt" 2>/dev/null || tail -30 "$OUT/kernels-bench.log"

@@ -76,7 +76,7 @@ def test_sparse_mla_decode_and_prefill_real_shapes(fmt, heads):
     q = torch.randn(rows, heads, 512, device=_dev()).to(torch.bfloat16)
     want_out, want_lse = sparse_mla_decode_ref(q, cache, idx, SCALE, compute_dtype=torch.float64)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_sparse_mla_decode(rows, heads, WIDTH, sms)
+    plan = plan_sparse_mla_decode(rows, heads, WIDTH, sms, kv_format=fmt)
     ws = sparse_mla_decode_workspace([plan], _dev())
     for run in ("decode", "prefill"):
         out = torch.full_like(q, float("nan"))
@@ -110,7 +110,7 @@ def test_sparse_mla_decode_cuda_graph_replays_with_new_inputs_and_lengths():
     heads, rows, context = 8, 32, 64 * 1024
     cache = _latent_cache("fp8_ds_mla", context)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_sparse_mla_decode(rows, heads, WIDTH, sms)
+    plan = plan_sparse_mla_decode(rows, heads, WIDTH, sms, kv_format="fp8_ds_mla")
     ws = sparse_mla_decode_workspace([plan], _dev())
     q = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device=_dev())
     idx = torch.full((rows, WIDTH), -1, dtype=torch.int32, device=_dev())

@@ -49,8 +49,11 @@ def _compare_visible(got, want):
 
 
 @interpreted
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("next_n", [1, 4])
-def test_indexer_logits_paged_mtp_and_page_boundaries(next_n):
+def test_indexer_logits_paged_mtp_and_page_boundaries(next_n, prefetch, monkeypatch):
+    block_n, warps, stages, _ = paged.PAGED_CONFIG
+    monkeypatch.setattr(paged, "PAGED_CONFIG", (block_n, warps, stages, prefetch))
     page_pools = 8
     cache = _pool_cache(10, page_pools, pad_bytes=20)  # page stride > page size
     num_req, heads = 3, 16
@@ -110,5 +113,5 @@ def test_kpool_topk_matches_reference_on_ties_short_rows_and_tail():
         ws.pools.fill_(-7)
         two = torch.full_like(got, 4321)
         topk.kpool_topk(logits, seq, two, kpool=kpool, select_pools=select, row_starts=starts,
-                        workspace=ws)
+                        workspace=ws, direct_max=100)  # rows of > 100 pools take two stages
         assert torch.equal(two, want), slices

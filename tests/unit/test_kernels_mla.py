@@ -4,6 +4,8 @@ with NaN first so an unwritten element fails; inputs are fresh random tensors ev
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -111,8 +113,9 @@ def test_sparse_mla_prefill_kernel(fmt):
 
 
 @interpreted
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
-def test_sparse_mla_decode_split_k_with_mtp_rows(fmt):
+def test_sparse_mla_decode_split_k_with_mtp_rows(fmt, prefetch):
     """2 sequences x (1 + 3 MTP) query tokens, each row its own selection, causal tail: the
     draft tokens see one more row each. A tiny SM count forces several splits."""
     cache, flat = _cache(fmt, num_blocks=6, block_size=16)
@@ -127,8 +130,10 @@ def test_sparse_mla_decode_split_k_with_mtp_rows(fmt):
     idx = torch.stack(rows)
     idx[7, :] = -1  # an all-invalid row inside a split batch
     q = torch.randn(len(rows), heads, 512).to(torch.bfloat16)
-    plan = plan_sparse_mla_decode(len(rows), heads, width, num_sms=8)
-    assert plan.num_splits > 1
+    plan = plan_sparse_mla_decode(len(rows), heads, width, num_sms=8, kv_format=fmt)
+    assert plan.num_splits > 1 or plan.block_n * 2 > width // 2
+    # Four splits of one 32-row tile each, through both gather loops.
+    plan = dataclasses.replace(plan, block_n=32, split_len=32, num_splits=4, prefetch=prefetch)
     ws = sparse_mla_decode_workspace([plan], "cpu")
     out, lse = _poisoned(q)
     sparse_mla_decode(q, cache, idx, 0.05, out, lse, plan, ws)
