@@ -28,7 +28,9 @@ from .layouts import KV_BF16, KV_FP8_DS_MLA, mla_kv_format
 from .sparse_mla_prefill import launch_sparse_mla_kernel, pick_config, sparse_mla_prefill_ref
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, prefetch) by (cache format, up to this many heads per
-# rank); each is compiled for sm_89 in tests/unit/test_kernels_sm89.py.
+# rank); each is compiled for sm_89 in tests/unit/test_kernels_sm89.py. The TP8 entries (<= 16
+# heads) are the best of the sweep in bench/results/kernels-h200.md: fp8 rows gathered with
+# explicit double buffering, bf16 rows through Triton's pipeliner (num_stages=2).
 DECODE_CONFIGS = {
     (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, True),
     (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, True),

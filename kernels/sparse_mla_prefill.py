@@ -47,11 +47,12 @@ from .triton_env import dot_dtype
 LOG2E = 1.4426950408889634
 # Shipped configurations, (BLOCK_H, BLOCK_N, num_warps, num_stages, prefetch) by (cache format,
 # up to this many heads per rank); every one is compiled for sm_89 in
-# tests/unit/test_kernels_sm89.py to prove it fits 99 KB of shared memory. fp8 rows are gathered
-# with explicit double buffering (prefetch), bf16 rows through Triton's pipeliner (num_stages).
+# tests/unit/test_kernels_sm89.py to prove it fits 99 KB of shared memory. Prefill keeps the loop
+# that skips tiles with no valid index (prefetch off): that is the configuration measured in
+# bench/results/kernels-h200.md; the prefetching loop is the decode default.
 PREFILL_CONFIGS = {
-    (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, True),
-    (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, True),
+    (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, False),
+    (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, False),
     (KV_BF16, 16): (16, 64, 4, 2, False),
     (KV_BF16, 64): (32, 32, 8, 2, False),
 }
