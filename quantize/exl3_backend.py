@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from glmctl.errors import DependencyError, require_module
 from glmctl.quantize.exl3_format import MUL1_MARKER, PROJECTIONS, io_features, trellis_shape
+
+from glmctl.errors import DependencyError, require_module
 
 if TYPE_CHECKING:
     import torch

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glmctl.errors import UsageError
 from glmctl.quantize.exl3_backend import LayerHessians
 from glmctl.quantize.exl3_source import SourceReader
+
+from glmctl.errors import UsageError
 
 if TYPE_CHECKING:
     import torch

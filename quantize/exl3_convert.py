@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glmctl.errors import UsageError
 from glmctl.quantize.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
 from glmctl.quantize.exl3_backend import LayerHessians, QuantizedLinear
 from glmctl.quantize.exl3_format import EXLLAMAV3_VERSION, PROJECTIONS, REPORT_FILE, io_features
@@ -28,6 +27,8 @@ from glmctl.quantize.exl3_plan import Exl3Plan, Exl3Settings, LayerPlan, plan_ex
 from glmctl.quantize.exl3_source import SourceReader
 from glmctl.quantize.job import ConversionJob
 from glmctl.quantize.safetensors_io import DTYPE_BYTES, ShardReader, ShardWriter
+
+from glmctl.errors import UsageError
 
 COPY_BYTES = 8 * 2**20
 REPORT_META_KEY = "glmctl_exl3_report"
@@ -167,8 +168,13 @@ class _LayerConverter:
 def _convert_calibrated(ckpt: Checkpoint, plan: Exl3Plan, source: SourceReader, job: ConversionJob,
                         convert: _LayerConverter, device: str | None, resume: bool) -> None:
     import torch
-
-    from glmctl.quantize.exl3_calibrate import STATE_FILE, CalibrationState, LayerStreamer, MoECapture, calibration_rows
+    from glmctl.quantize.exl3_calibrate import (
+        STATE_FILE,
+        CalibrationState,
+        LayerStreamer,
+        MoECapture,
+        calibration_rows,
+    )
 
     s = plan.settings
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

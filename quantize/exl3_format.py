@@ -62,8 +62,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from glmctl.errors import ConfigError, UsageError
 from glmctl.quantize.safetensors_io import PlannedTensor
+
+from glmctl.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,6 @@ import fnmatch
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from glmctl.errors import ConfigError, UsageError
 from glmctl.quantize.checkpoint import Checkpoint
 from glmctl.quantize.exl3_format import (
     DEFAULT_TP_DEGREES,
@@ -29,6 +28,8 @@ from glmctl.quantize.exl3_format import (
     tp_problems,
 )
 from glmctl.quantize.safetensors_io import FLOAT_DTYPES, PlannedTensor, TensorEntry
+
+from glmctl.errors import ConfigError, UsageError
 
 DEFAULT_EXPERTS_GLOB = "*"
 

@@ -10,12 +10,18 @@ import json
 from pathlib import Path
 
 import pytest
-
-from glmctl.errors import UsageError
 from glmctl.quantize.checkpoint import open_checkpoint
 from glmctl.quantize.exl3_convert import convert_exl3
-from glmctl.quantize.exl3_format import MUL1_MARKER, PROJECTIONS, Exl3ExpertsSpec, io_features, trellis_shape
+from glmctl.quantize.exl3_format import (
+    MUL1_MARKER,
+    PROJECTIONS,
+    Exl3ExpertsSpec,
+    io_features,
+    trellis_shape,
+)
 from glmctl.quantize.exl3_plan import Exl3Settings, plan_exl3
+
+from glmctl.errors import UsageError
 
 TP1 = Exl3Settings(tp_degrees=(1,))  # the tiny checkpoint's 128 intermediate channels cannot split
 
@@ -30,7 +36,6 @@ class FakeQuantizer:
 
     def __call__(self, weights, num_experts, hidden, intermediate, bits, hessians, *, seed, name, on_linear):
         import torch
-
         from glmctl.quantize.exl3_backend import QuantizedLinear
 
         layer = int(name(0, "gate_proj").split("layers.")[1].split(".")[0])
@@ -164,8 +169,8 @@ def test_calibration_hessians_match_a_full_transformers_forward(tiny_checkpoint,
     """Layer-by-layer streaming gives the same MoE inputs as transformers' whole model."""
     import torch
     import torch.nn.functional as F
-
     from glmctl.quantize.exl3_calibrate import calibration_rows
+
     from glmctl.testing.hf_reference import load_transformers_model
 
     corpus = _calibration_text(tmp_path)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
-from glmctl.errors import ConfigError, UsageError
 from glmctl.quantize.exl3_format import (
     MUL1_MARKER,
     MUL1_MULTIPLIER,
@@ -17,6 +15,8 @@ from glmctl.quantize.exl3_format import (
     tp_problems,
     tp_slice,
 )
+
+from glmctl.errors import ConfigError, UsageError
 
 
 def test_marker_is_the_mul1_multiplier_as_int32():
