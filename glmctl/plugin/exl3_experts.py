@@ -170,7 +170,7 @@ class Exl3MoE:
         ids, weights = topk_ids.to(torch.int64), topk_weights
         if tokens <= FUSED_ROWS:
             self._fused(x16, out, ids, weights, tokens)
-        elif self.prefill_mode == "chunk" or torch.cuda.is_current_stream_capturing():
+        elif self.prefill_mode == "chunk" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             for t0 in range(0, tokens, FUSED_ROWS):
                 t1 = min(t0 + FUSED_ROWS, tokens)
                 self._fused(x16[t0:t1], out[t0:t1], ids[t0:t1], weights[t0:t1], t1 - t0)
@@ -267,7 +267,8 @@ class Exl3MoE:
             scores = torch.rand((t, self.experts), generator=gen, device=self.device)
             w, ids = scores.topk(min(top_k, self.experts), dim=-1)
             self(x, ids, w)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
