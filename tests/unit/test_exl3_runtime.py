@@ -66,7 +66,7 @@ class FakeExt:
                 tok = token_sorted[start:start + c]
                 x = hidden[tok].float()
 
-                def w(tabs):
+                def w(tabs, e=e):
                     trellis, suh, svh = (self.tensors[int(t[e])] for t in tabs)
                     return rt.dequantize(trellis, suh, svh, BITS)
 
