@@ -169,7 +169,7 @@ def _check_layer(small_layer, x, ids, w, label, bound=1e-2):
                                                         "rel_error_vs_original_weights": qerr}
     assert y.dtype == x.dtype and y.shape == x.shape
     assert err < bound, (label, err)
-    assert qerr < 0.2, (label, qerr)  # 4-bit weights: the layer stays close to the bf16 one
+    assert qerr < 0.3, (label, qerr)  # 4-bit weights: the layer stays close to the bf16 one
     return y
 
 
