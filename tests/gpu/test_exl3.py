@@ -25,11 +25,11 @@ RECORD: dict = {}
 HIDDEN, INTER_FULL, INTER_TP8, BITS = 4096, 2048, 256, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def _record():
     yield
     path = os.environ.get("GLMCTL_EXL3_RECORD")
-    if path:
+    if path:  # after every test: a run cut short still leaves what it measured
         with open(path, "w") as f:
             json.dump(RECORD, f, indent=2, default=str)
 
@@ -329,7 +329,7 @@ def test_mgemm_group_barrier_on_sm90_does_not_deadlock():
     import torch
 
     assert torch.cuda.get_device_capability()[0] >= 9 or pytest.skip("the sm_90 barrier path needs sm_90+")
-    results = [_probe("eager", 60), _probe("graph", 60), _probe("two_streams", 30)]
+    results = [_probe("eager", 30), _probe("graph", 30), _probe("two_streams", 15)]
     RECORD["mgemm_barrier_sm90"] = {"device": torch.cuda.get_device_name(), "probes": results}
     for r in results[:2]:
         assert r["ok"] and not r["hung"], r
