@@ -7,8 +7,9 @@ Shapes: 288 routed experts, top-8, hidden 4096, moe_intermediate 2048 split over
 channels per rank), i.e. exactly one rank's share of a layer. The routed experts only (the
 shared expert and the router are the same in every variant and are left out).
 
-  exl3   glmctl.plugin.exl3_experts.Exl3MoE: exllamav3 1.6.5's fused MoE kernel, 4 bits/weight
-         (random trellis bits: the kernel's cost does not depend on the values)
+  exl3   glmctl.plugin.exl3_experts.Exl3MoE as the plugin runs it, 4 bits/weight (random trellis
+         bits: the kernels' cost does not depend on the values): exl3_moe_coop up to 256 slots
+         (32 tokens), exl3_moe above; `exl3 fused` forces exl3_moe at every size
   fp8    torch: sort by expert + torch._scaled_grouped_mm (e4m3 weights with per-channel scales,
          per-token dynamic e4m3 activations), SwiGLU, weighted scatter-add
   bf16   the same with torch._grouped_mm on bf16 weights
@@ -173,7 +174,14 @@ def run(tokens: list[int], prefill: int) -> dict:
     device = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(device)
     exl3 = exl3_layer(torch, device)
-    variants = {"exl3": exl3}
+
+    def decode_with(kind):
+        def fn(x, ids, w):
+            exl3.decode_kernel = kind  # read while the graph is captured: each capture bakes one kernel
+            return exl3(x, ids, w)
+        return fn
+
+    variants = {"exl3": decode_with("coop"), "exl3_fused": decode_with("fused")}
     notes = []
     for name, fp8 in (("fp8", True), ("bf16", False)):
         try:
@@ -184,7 +192,19 @@ def run(tokens: list[int], prefill: int) -> dict:
             variants[name] = v
         except Exception as exc:  # a torch without grouped GEMMs for this dtype/arch: say so
             notes.append(f"{name}: unavailable ({type(exc).__name__}: {str(exc)[:160]})")
-    exl3.warm_up(tokens, TOP_K)
+    for kind in ("coop", "fused"):
+        exl3.decode_kernel = kind
+        exl3.warm_up(tokens, TOP_K)
+    # The two EXL3 kernels must agree at the real shape (288 experts, top-8): a cross-check
+    agree = {}
+    for t in (1, 8, 32):
+        x, ids, w = routings(torch, t, 1, device, 99)[0]
+        outs = []
+        for kind in ("coop", "fused"):
+            exl3.decode_kernel = kind
+            outs.append(exl3(x, ids, w).float())
+        agree[t] = float((outs[0] - outs[1]).norm() / outs[1].norm())
+    exl3.decode_kernel = "coop"
     rows = []
     for t in tokens:
         inputs = routings(torch, t, CALLS_PER_REPLAY, device, t)
@@ -202,6 +222,8 @@ def run(tokens: list[int], prefill: int) -> dict:
         inputs = routings(torch, prefill, 1, device, 7)
         row = {"tokens": prefill, "mode": "eager"}
         for name, fn in variants.items():
+            if name == "exl3_fused":
+                continue  # the same path as exl3 at this size
             row[f"{name}_us"] = round(time_eager(torch, fn, inputs), 1)
         exl3.prefill_mode = "chunk"
         row["exl3_chunked_us"] = round(time_eager(torch, exl3, inputs), 1)
@@ -222,7 +244,7 @@ def run(tokens: list[int], prefill: int) -> dict:
         "torch": torch.__version__, "exllamav3": exl3_version,
         "how": f"CUDA-graph replays of {CALLS_PER_REPLAY} different routings per replay (decode sizes), eager "
                "for the prefill chunk; median of 5 rounds of CUDA events; random weights and uniform routing",
-        "rows": rows, "notes": notes, "fp16_clamped_values": int(exl3.fp16_clamped),
+        "rows": rows, "notes": notes, "coop_vs_exl3_moe_rel_diff": agree, "fp16_clamped_values": int(exl3.fp16_clamped),
         "expert_bytes_per_gpu_per_layer": mem,
         "expert_gib_per_gpu_model": {k: round(v * MOE_LAYERS / 2**30, 2) for k, v in mem.items()},
         "exl3_over_fp8_bytes": round(mem["exl3"] / mem["fp8_block128"], 3),
@@ -231,16 +253,19 @@ def run(tokens: list[int], prefill: int) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"{result['what']} on {result['device']} (torch {result['torch']}, exllamav3 {result['exllamav3']})", "",
-             "| tokens | mode | EXL3 us | FP8 us | bf16 us | EXL3/FP8 |", "|---|---|---|---|---|---|"]
+             "| tokens | mode | EXL3 us | EXL3 exl3_moe only us | FP8 us | bf16 us | EXL3/FP8 |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ratio = f"{r['exl3_us'] / r['fp8_us']:.2f}" if r.get("fp8_us") else "-"
-        extra = f" (sliced: {r['exl3_chunked_us']})" if "exl3_chunked_us" in r else ""
-        lines.append(f"| {r['tokens']} | {r['mode']} | {r['exl3_us']}{extra} | {r.get('fp8_us', '-')} | "
+        fused = r.get("exl3_fused_us", f"sliced, sync-free: {r.get('exl3_chunked_us', '-')}")
+        lines.append(f"| {r['tokens']} | {r['mode']} | {r['exl3_us']} | {fused} | {r.get('fp8_us', '-')} | "
                      f"{r.get('bf16_us', '-')} | {ratio} |")
     gib = result["expert_gib_per_gpu_model"]
     lines += ["", f"expert weights per GPU, whole model (43 MoE layers, TP8): EXL3 {gib['exl3']} GiB, "
                   f"block-FP8 {gib['fp8_block128']} GiB, bf16 {gib['bf16']} GiB; EXL3/FP8 = "
                   f"{result['exl3_over_fp8_bytes']} (target <= 0.6)"]
+    lines += ["EXL3 kernels agree (exl3_moe_coop vs exl3_moe, relative difference by tokens): "
+              + ", ".join(f"{t}: {d:.1e}" for t, d in result["coop_vs_exl3_moe_rel_diff"].items())]
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 

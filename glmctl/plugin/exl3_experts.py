@@ -8,6 +8,10 @@ torch references.
 How a forward runs (T tokens, top-k experts each, E local experts, R = FUSED_ROWS):
   1. x (bf16) -> fp16, the kernel's only activation type: values beyond +-65280 are clamped and
      counted in a device counter (`fp16_clamped`), never silently turned into inf.
+  Decode (T * top-k <= 256 slots, e.g. up to 32 tokens at top-8): `exl3_moe_coop`, exllamav3's
+     decode-shaped kernel pair, takes vLLM's routing as it is (no sort, no counts): one block per
+     (expert run, column group) for gate/up, then down, with self-resetting completion counters;
+     the result is written, not accumulated. Larger batches:
   2. Routing on the device: the (token, expert) picks are sorted by expert (argsort), counted per
      expert with scatter_add_ (bincount would size its output from the data: a host sync), and
      the routing weights go to fp16 in the same order.
@@ -49,8 +53,10 @@ from glmctl.quantize.exl3_format import MUL1_MARKER
 FP16_SAFE = 65280.0  # the largest bf16 value that fp16 can hold (fp16 max 65504 rounds up in bf16)
 FUSED_ROWS = 256  # rows per expert in the fused kernel's buffers (its 64-row tiles reach 256)
 TIERS = ((1, 16, 16), (17, 32, 32), (33, FUSED_ROWS, 64))  # (rows from, rows to, tile rows)
+COOP_SLOTS = 256  # exl3_moe_coop's scratch bound (MAX_SLOTS, exl3_moe_coop_kernel.cuh): T * top-k
 HEAVY_GROUP_BYTES = 512 * 2**20  # fp16 weights reconstructed at once for heavy experts
 PREFILL_ENV = "GLMCTL_EXL3_PREFILL"  # "recon" (default): heavy experts reconstructed; "chunk": slices
+DECODE_ENV = "GLMCTL_EXL3_DECODE"  # "coop" (default): exl3_moe_coop up to 256 slots; "fused": exl3_moe
 
 
 @cache
@@ -122,6 +128,40 @@ class _Buffers:
 _buffers: dict[tuple, _Buffers] = {}
 
 
+@dataclass
+class _CoopBuffers:
+    """exl3_moe_coop's scratch for COOP_SLOTS slots; its counters start at zero and the kernels
+    leave them at zero, so one set serves every layer. `out` always has `rows` rows: the kernel
+    places its counters by that row count, which must not change between calls."""
+
+    had_g: torch.Tensor
+    had_u: torch.Tensor
+    gu_g: torch.Tensor
+    gu_u: torch.Tensor
+    act_out: torch.Tensor
+    d_out: torch.Tensor
+    ctr: torch.Tensor
+    out: torch.Tensor
+
+
+_coop_buffers: dict[tuple, _CoopBuffers] = {}
+
+
+def _shared_coop_buffers(device: torch.device, hidden: int, intermediate: int, rows: int) -> _CoopBuffers:
+    key = (device, hidden, intermediate, rows)
+    b = _coop_buffers.get(key)
+    if b is None:
+        s, h, i = COOP_SLOTS, hidden, intermediate
+        counters = s * (i // 128) + rows * (h // 128) + 2 + (s + 1) + s  # exl3_moe_coop_ctr_len
+        f16, f32 = torch.float16, torch.float32
+        b = _CoopBuffers(*(torch.empty(shape, dtype=dt, device=device) for shape, dt in (
+            ((s, h), f16), ((s, h), f16), ((s, i), f16), ((s, i), f16), ((s, i), f16), ((s, h), f32))),
+            ctr=torch.zeros(counters, dtype=torch.int32, device=device),
+            out=torch.empty((rows, h), dtype=f32, device=device))
+        _coop_buffers[key] = b
+    return b
+
+
 def _shared_buffers(device: torch.device, hidden: int, intermediate: int) -> _Buffers:
     """The kernel's per-group scratch, one set per device and shape: layers run one at a time."""
     key = (device, hidden, intermediate)
@@ -154,6 +194,7 @@ class Exl3MoE:
         self._buffers = _shared_buffers(self.device, self.hidden, self.intermediate)
         self.fp16_clamped = torch.zeros((), dtype=torch.int64, device=self.device)
         self.prefill_mode = os.environ.get(PREFILL_ENV, "recon")
+        self.decode_kernel = os.environ.get(DECODE_ENV, "coop")
 
     @property
     def weight_bytes(self) -> int:
@@ -168,6 +209,8 @@ class Exl3MoE:
         if tokens == 0:
             return out.to(x.dtype)
         ids, weights = topk_ids.to(torch.int64), topk_weights
+        if self.decode_kernel == "coop" and tokens * ids.shape[1] <= COOP_SLOTS:
+            return self._coop(x16, ids, weights).to(x.dtype)
         if tokens <= FUSED_ROWS:
             self._fused(x16, out, ids, weights, tokens)
         elif self.prefill_mode == "chunk" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -177,6 +220,20 @@ class Exl3MoE:
         else:
             self._prefill(x16, out, ids, weights)
         return out.to(x.dtype)
+
+    def _coop(self, x16: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        b = _shared_coop_buffers(self.device, self.hidden, self.intermediate, COOP_SLOTS // ids.shape[1])
+        ext().exl3_moe_coop(
+            x16, ids.contiguous(), weights.to(torch.float16).contiguous(),
+            -1, -1,  # no expert-range filter: this rank holds every expert's slice
+            self.hidden, *self._tables,
+            None, None, None,  # no biases
+            self.bits, self.bits, self.bits, False, True,  # mcg, mul1
+            0, self.act_limit, True,  # SiLU, GLM's swiglu clamp, gated
+            b.had_g, b.had_u, b.gu_g, b.gu_u, b.act_out, b.d_out, b.ctr, b.out,
+            None, None,  # shared expert: vLLM runs it
+        )
+        return b.out[: x16.shape[0]]
 
     def _route(self, ids: torch.Tensor, weights: torch.Tensor):
         flat = ids.reshape(-1)

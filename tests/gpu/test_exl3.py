@@ -157,10 +157,15 @@ def _routing(torch, tokens: int, experts: int, top_k: int, seed: int, skew: floa
     return ids.to(torch.int32), (w / w.sum(-1, keepdim=True) * 2.5).float()
 
 
-def _check_layer(small_layer, x, ids, w, label, bound=1e-2):
+def _check_layer(small_layer, x, ids, w, label, bound=1e-2, decode="coop"):
     from glmctl.plugin.exl3_experts import moe_reference
 
-    y = small_layer["moe"](x, ids, w)
+    moe = small_layer["moe"]
+    moe.decode_kernel = decode
+    try:
+        y = moe(x, ids, w)
+    finally:
+        moe.decode_kernel = "coop"
     d, o = small_layer["deq"], small_layer["orig"]
     ref = moe_reference(x, ids, w, d["gate_proj"], d["up_proj"], d["down_proj"], 10.0)
     full = moe_reference(x, ids, w, o["gate_proj"], o["up_proj"], o["down_proj"], 10.0)
@@ -173,13 +178,15 @@ def _check_layer(small_layer, x, ids, w, label, bound=1e-2):
     return y
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 40, 256])
-def test_fused_moe_matches_the_dequantised_reference(small_layer, tokens):
+@pytest.mark.parametrize("tokens, decode", [(1, "coop"), (7, "coop"), (40, "coop"), (128, "coop"),
+                                            (1, "fused"), (7, "fused"), (40, "fused"), (256, "coop")])
+def test_moe_kernels_match_the_dequantised_reference(small_layer, tokens, decode):
+    """coop: exl3_moe_coop (up to 256 slots); fused: exl3_moe; 256 tokens x top-2 is past coop's slots."""
     import torch
 
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids, w = _routing(torch, tokens, small_layer["experts"], 2, tokens)
-    _check_layer(small_layer, x, ids, w, f"T={tokens}")
+    _check_layer(small_layer, x, ids, w, f"T={tokens} {decode if tokens * 2 <= 256 else 'fused'}", decode=decode)
 
 
 @pytest.mark.parametrize("mode", ["recon", "chunk"])
@@ -220,13 +227,14 @@ def test_tp_slices_of_the_layer_sum_to_the_whole_layer(small_layer):
     assert err < 5e-3
 
 
-@pytest.mark.parametrize("tokens", [8, 40, 300])
-def test_captured_graph_replays_with_new_routing(small_layer, tokens):
+@pytest.mark.parametrize("tokens, decode", [(8, "coop"), (40, "coop"), (40, "fused"), (300, "coop")])
+def test_captured_graph_replays_with_new_routing(small_layer, tokens, decode):
     import torch
 
     from glmctl.plugin.exl3_experts import moe_reference
 
     moe, d = small_layer["moe"], small_layer["deq"]
+    moe.decode_kernel = decode
     moe.warm_up([tokens], 2)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids, w = _routing(torch, tokens, small_layer["experts"], 2, 100 + tokens)
@@ -245,7 +253,8 @@ def test_captured_graph_replays_with_new_routing(small_layer, tokens):
         ref = moe_reference(x, ids, w, d["gate_proj"], d["up_proj"], d["down_proj"], 10.0)
         err = _rel(y, ref)
         assert err < 1e-2, (tokens, seed, err)
-    RECORD.setdefault("cuda_graph_replay_rel_error", {})[f"T={tokens}"] = err
+    moe.decode_kernel = "coop"
+    RECORD.setdefault("cuda_graph_replay_rel_error", {})[f"T={tokens} {decode}"] = err
 
 
 def test_fp16_range_check_clamps_and_counts(small_layer):

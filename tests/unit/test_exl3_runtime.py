@@ -22,6 +22,7 @@ class FakeExt:
         self.tensors: dict[int, object] = {}
         self.launches: list[tuple[int, int, int, int]] = []  # (count_lo, count_hi, tile, num_active)
         self.processed: list[int] = []
+        self.coop_calls = 0
 
     def register(self, *projections) -> None:
         for p in projections:
@@ -47,6 +48,37 @@ class FakeExt:
     def reconstruct_had_slice(self, out, trellis, suh, svh, k, mcg, mul1, n_offset) -> None:
         assert n_offset == 0
         out.copy_(rt.dequantize(trellis, suh, svh, int(k)).half())
+
+    def exl3_moe_coop(self, x, sel, rw, min_e, max_e, hi, g_t, g_s, g_v, u_t, u_s, u_v, d_t, d_s, d_v, gb, ub, db,
+                      kg, ku, kd, mcg, mul1, act, act_limit, gated, had_g, had_u, gu_g, gu_u, act_out, d_out, ctr,
+                      out, sh_out, sh_gate_w) -> None:
+        import torch
+
+        assert x.dtype == torch.float16 and sel.dtype == torch.int64 and rw.dtype == torch.float16
+        assert sel.is_contiguous() and rw.is_contiguous() and sel.shape == rw.shape == (x.shape[0], sel.shape[1])
+        assert (min_e, max_e, hi, mcg, mul1, act, gated) == (-1, -1, x.shape[1], False, True, 0, True)
+        assert gb is ub is db is sh_out is sh_gate_w is None and kg == ku == kd == BITS
+        slots_max = min(had_g.numel() // hi, d_out.numel() // out.shape[1], gu_g.numel() // gu_g.shape[-1])
+        rows_max, inter = out.shape[0], gu_g.shape[-1]
+        assert x.shape[0] * sel.shape[1] <= slots_max <= 256 and x.shape[0] <= rows_max
+        assert ctr.dtype == torch.int32 and int(ctr.abs().sum()) == 0  # the kernels leave counters at zero
+        assert ctr.numel() >= slots_max * (inter // 128) + rows_max * (out.shape[1] // 128) + 2 + slots_max + 1 + slots_max
+        assert out.dtype == torch.float32 and d_out.dtype == torch.float32
+        self.coop_calls += 1
+        out[: x.shape[0]] = float("nan")  # rows past bsz are not the caller's; rows below must be written
+        for r in range(x.shape[0]):
+            acc = torch.zeros(out.shape[1])
+            for k in range(sel.shape[1]):
+                e = int(sel[r, k])
+
+                def w(tabs, e=e):
+                    trellis, suh, svh = (self.tensors[int(t[e])] for t in tabs)
+                    return rt.dequantize(trellis, suh, svh, BITS)
+
+                xr = x[r:r + 1].float()
+                a = rt.swiglu(xr @ w((g_t, g_s, g_v)), xr @ w((u_t, u_s, u_v)), act_limit)
+                acc += (a @ w((d_t, d_s, d_v)))[0] * float(rw[r, k])
+            out[r] = acc
 
     def exl3_moe(self, hidden, output, counts, token_sorted, weight_sorted, sg, su, ig, iu, act, kg, ku, kd,
                  g_t, g_s, g_v, u_t, u_s, u_v, d_t, d_s, d_v, gm, g1, um, u1, dm, d1, act_limit, num_active,
@@ -82,11 +114,13 @@ def fake(monkeypatch):
     rt.ext.cache_clear()
     monkeypatch.setattr(rt, "ext", lambda: f)
     rt._buffers.clear()
+    rt._coop_buffers.clear()
     yield f
     rt._buffers.clear()
+    rt._coop_buffers.clear()
 
 
-def _layer(fake, experts=6, hidden=256, inter=128, seed=0):
+def _layer(fake, experts=6, hidden=256, inter=128, seed=0, decode="fused"):
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -99,7 +133,9 @@ def _layer(fake, experts=6, hidden=256, inter=128, seed=0):
 
     projs = proj(hidden, inter), proj(hidden, inter), proj(inter, hidden)
     fake.register(*projs)
-    return rt.Exl3MoE(*projs, BITS, act_limit=10.0)
+    moe = rt.Exl3MoE(*projs, BITS, act_limit=10.0)
+    moe.decode_kernel = decode
+    return moe
 
 
 def _reference(moe, x, ids, w):
@@ -140,6 +176,30 @@ def test_small_batches_run_every_expert_once_in_the_row_tiles_their_size_needs(f
     assert _rel(y, _reference(moe, x, ids, w)) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 128])
+def test_decode_batches_take_the_coop_kernel_with_vllms_routing_as_is(fake, tokens):
+    import torch
+
+    moe = _layer(fake, decode="coop")
+    x = torch.randn(tokens, 256).bfloat16()
+    ids, w = _routing(tokens, 6, 2, tokens)
+    y = moe(x, ids, w)
+    assert fake.coop_calls == 1 and fake.launches == []  # no sort, no counts, no exl3_moe launch
+    assert y.shape == x.shape and _rel(y, _reference(moe, x, ids, w)) < 1e-2
+    moe(x[:1], ids[:1], w[:1])  # another batch size reuses the same scratch (row count fixed)
+    assert fake.coop_calls == 2
+
+
+def test_batches_beyond_the_coop_slots_fall_back_to_the_fused_kernel(fake):
+    import torch
+
+    moe = _layer(fake, decode="coop")
+    x = torch.randn(129, 256).bfloat16()  # 129 tokens x top-2 = 258 slots > 256
+    ids, w = _routing(129, 6, 2, 9)
+    y = moe(x, ids, w)
+    assert fake.coop_calls == 0 and fake.launches and _rel(y, _reference(moe, x, ids, w)) < 1e-2
+
+
 @pytest.mark.parametrize("mode", ["recon", "chunk"])
 def test_prefill_above_the_buffer_rows_handles_heavy_experts(fake, mode):
     import torch
@@ -163,7 +223,7 @@ def test_prefill_above_the_buffer_rows_handles_heavy_experts(fake, mode):
 def test_tensor_parallel_slices_add_up_to_the_whole_layer(fake):
     import torch
 
-    moe = _layer(fake, inter=256)
+    moe = _layer(fake, inter=256, decode="coop")
     x = torch.randn(5, 256).bfloat16()
     ids, w = _routing(5, 6, 2, 5)
     whole = moe(x, ids, w).float()
@@ -175,7 +235,7 @@ def test_tensor_parallel_slices_add_up_to_the_whole_layer(fake):
                                                          for e in range(6)])
                                              for s, t in (("trellis", p.trellis), ("suh", p.suh), ("svh", p.svh)))))
         fake.register(*parts)
-        total += rt.Exl3MoE(*parts, BITS, 10.0)(x, ids, w).float()
+        total += rt.Exl3MoE(*parts, BITS, 10.0)(x, ids, w).float()  # the default decode kernel
     assert _rel(total, whole) < 1e-2
 
 
