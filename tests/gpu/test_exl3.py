@@ -270,6 +270,43 @@ def test_fp16_range_check_clamps_and_counts(small_layer):
     assert torch.isfinite(y[1:]).all()  # the other tokens are unaffected
 
 
+def test_converter_end_to_end_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
+    """`glmctl quantize exl3` with exllamav3's real quantizer; its output runs in the runtime."""
+    import torch
+    from glmctl.quantize.exl3_convert import convert_exl3
+    from glmctl.quantize.exl3_plan import Exl3Settings
+    from safetensors.torch import load_file
+
+    from glmctl.plugin.exl3_experts import Exl3MoE, Exl3Projection, dequantize, moe_reference
+
+    spec = tiny_checkpoint.spec
+    t0 = time.perf_counter()
+    result = convert_exl3(tiny_checkpoint.path, tmp_path / "out", Exl3Settings(tp_degrees=(1,)))
+    seconds = time.perf_counter() - t0
+    assert result.linears == (spec.layers - 1 + spec.mtp_layers) * spec.n_routed_experts * 3
+    layer = load_file(str(tmp_path / "out" / "model-exl3-layer-002.safetensors"), device="cuda")
+    src = {}
+    for f in tiny_checkpoint.path.glob("*.safetensors"):
+        src.update({k: v for k, v in load_file(str(f), device="cuda").items() if ".layers.2.mlp.experts." in k})
+    e = spec.n_routed_experts
+    proj = {p: Exl3Projection(*(torch.stack([layer[f"model.layers.2.mlp.experts.{i}.{p}.{s}"] for i in range(e)])
+                                for s in ("trellis", "suh", "svh")))
+            for p in ("gate_proj", "up_proj", "down_proj")}
+    moe = Exl3MoE(proj["gate_proj"], proj["up_proj"], proj["down_proj"], BITS, act_limit=10.0)
+    x = torch.randn(5, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ids, w = _routing(torch, 5, e, spec.num_experts_per_tok, 3)
+    y = moe(x, ids, w)
+    deq = [torch.stack([dequantize(*(t[i] for t in (p.trellis, p.suh, p.svh)), BITS) for i in range(e)])
+           for p in proj.values()]
+    orig = [torch.stack([src[f"model.layers.2.mlp.experts.{i}.{p}.weight"].float().t() for i in range(e)])
+            for p in proj]
+    err = _rel(y, moe_reference(x, ids, w, *deq, 10.0))
+    qerr = _rel(y, moe_reference(x, ids, w, *orig, 10.0))
+    RECORD["tiny_checkpoint_conversion"] = {"seconds": seconds, "linears": result.linears,
+                                            "rel_error_vs_dequantised": err, "rel_error_vs_bf16": qerr}
+    assert err < 1e-2 and qerr < 0.3, (err, qerr)
+
+
 MGEMM_PROBE = textwrap.dedent("""
     import json, sys, torch
     from glmctl.plugin.exl3_experts import ext
