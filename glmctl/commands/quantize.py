@@ -19,10 +19,11 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from glmctl._cli.output import Output
+    from glmctl.quantize.exl3_convert import Exl3Result
     from glmctl.quantize.fp8_convert import Fp8Result
     from glmctl.quantize.verify import VerifyResult
 
-app = typer.Typer(help="Convert checkpoints: block-FP8 weights for vLLM, and verify the result.",
+app = typer.Typer(help="Convert checkpoints: block-FP8 weights or EXL3 experts for vLLM, and verify the result.",
                   no_args_is_help=True)
 
 SrcArg = Annotated[Path, typer.Argument(help="Source checkpoint directory (config.json + *.safetensors).")]
@@ -123,8 +124,72 @@ verify.epilog = examples(
     "glmctl quantize verify DST --reference /models/GLM-5.3-Flash --json",
 ) + "\n\n" + EXIT_CODES
 
+def exl3(
+    src: SrcArg,
+    dst: DstArg,
+    bits: Annotated[int, typer.Option("--bits", help="Bits per weight of the routed experts (2-8).")] = 4,
+    experts: Annotated[list[str] | None, typer.Option(
+        "--experts", metavar="GLOB",
+        help="Experts modules to convert, by name (e.g. 'model.layers.[3-9].mlp.experts'; repeat or "
+             "comma-separate). Default: every MoE layer, the MTP layer included.")] = None,
+    calibration: Annotated[str, typer.Option(
+        "--calibration", metavar="FILES|none",
+        help="Text files (comma-separated) run through the model layer by layer for a shared gate/up "
+             "Hessian per layer and a per-expert down Hessian, or 'none' for calibration-free.")] = "none",
+    calibration_tokens: Annotated[int, typer.Option(
+        "--calibration-tokens", help="Calibration tokens to use (rows of 2048).")] = 131072,
+    tp: Annotated[list[str] | None, typer.Option(
+        "--tp", metavar="DEGREES",
+        help="Tensor-parallel degrees the output must split at (every slice on 128-element "
+             "boundaries). Default: those of the shipped EXL3 serving profiles.")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an interrupted conversion from its last finished layer.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace a non-empty DST (once the new one is complete) or discard a partial run.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be converted; write nothing.")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Quantize the routed experts to EXL3 with exllamav3 1.6.5 (mul1 codebook); copy everything else.
+
+    Needs a CUDA GPU (exllamav3's quantizer) except with --dry-run. Writes one shard per converted MoE layer, the source shards without those experts, and a config.json whose quantization_config (quant_method glmctl_exl3) the glmctl vLLM plugin reads; glmctl-exl3-report.json lists every tensor's proxy error (calibrated) or RMSE (calibration-free).
+    """
+    from glmctl._cli.output import Output
+    from glmctl.quantize.exl3_convert import convert_exl3
+    from glmctl.quantize.exl3_plan import DEFAULT_EXPERTS_GLOB, Exl3Settings, default_tp_degrees
+
+    out = Output.from_flags(json_, quiet)
+    files = () if calibration.strip().lower() == "none" else _split([calibration])
+    try:
+        degrees = tuple(int(t) for t in _split(tp)) or default_tp_degrees()
+    except ValueError:
+        raise typer.BadParameter(f"--tp takes integers, got {', '.join(_split(tp))}") from None
+    settings = Exl3Settings(bits=bits, experts=_split(experts) or (DEFAULT_EXPERTS_GLOB,),
+                            calibration=tuple(str(Path(f).absolute()) for f in files),
+                            calibration_tokens=calibration_tokens, tp_degrees=degrees)
+    try:
+        result = _progress(out, "exl3", lambda cb: convert_exl3(
+            src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
+    except KeyboardInterrupt:
+        from glmctl.quantize.job import partial_dir_for
+
+        out.warn(f"interrupted; finished layers are kept in {partial_dir_for(dst.absolute(), 'exl3')}: "
+                 "rerun the same command with --resume")
+        raise typer.Exit(130) from None
+    out.result(result, render=lambda console: _render_exl3(console, result))
+
+
+exl3.epilog = examples(
+    "glmctl quantize exl3 /models/GLM-5.3-Flash /models/GLM-5.3-Flash-exl3 --calibration none",
+    "glmctl quantize exl3 SRC DST --calibration corpus.txt,code.txt --tp 8",
+    "glmctl quantize exl3 SRC DST --dry-run --experts 'model.layers.[3-9].mlp.experts'",
+    "glmctl quantize exl3 SRC DST --resume",
+) + "\n\n" + EXIT_CODES
+
+
 app.command("fp8", epilog=fp8.epilog)(fp8)
 app.command("verify", epilog=verify.epilog)(verify)
+app.command("exl3", epilog=exl3.epilog)(exl3)
 
 
 def _asdict(obj) -> dict:
@@ -189,3 +254,30 @@ def _render_verify(console: Console, r: VerifyResult, top: int) -> None:
         snr = f"{e.snr_db:.2f}" if e.ok else f"[red]{e.snr_db:.2f}[/red]"
         table.add_row(e.name, "x".join(map(str, e.shape)), f"{e.rel_rms:.4f}", f"{e.max_abs:.3g}", snr)
     console.print(table)
+
+
+def _render_exl3(console: Console, r: Exl3Result) -> None:
+    title = f"{'Plan (dry run; nothing written)' if r.dry_run else 'Converted'}: {r.src} -> {r.dst}"
+    console.print(title)
+    qc = r.quantization_config["experts"]
+    console.print(f"{len(r.layers)} MoE layer(s), {r.linears} expert projections -> EXL3 {qc['bits']} bits "
+                  f"({qc['codebook']}, exllamav3 {qc['exllamav3']}); tensor-parallel degrees checked: "
+                  f"{', '.join(map(str, qc['tp_degrees']))}")
+    console.print(f"routed-expert weights {_size(r.expert_bytes_in)} -> {_size(r.expert_bytes_out)} "
+                  f"({r.expert_bytes_out / max(r.expert_bytes_in, 1):.1%}); checkpoint {_size(r.bytes_out)}")
+    if not r.dry_run:
+        console.print(f"{r.calibrated} tensors calibrated, {r.uncalibrated} calibration-free; "
+                      f"{r.seconds:.1f} s ({r.seconds_per_linear:.2f} s per projection)"
+                      + (f", {r.units_resumed} unit(s) from the earlier run" if r.units_resumed else ""))
+        if r.worst:
+            from rich.table import Table
+
+            table = Table(title="Largest errors (all in the report)", title_justify="left")
+            for col in ("tensor", "metric", "error", "calibrated"):
+                table.add_column(col, justify="left" if col == "tensor" else "right")
+            for e in r.worst[:5]:
+                table.add_row(e.name, e.metric, f"{e.error:.5f}", "yes" if e.calibrated else "no")
+            console.print(table)
+        console.print(f"report: {r.report}")
+    for note in r.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")

@@ -221,3 +221,15 @@ def test_calibrated_conversion_resumes_from_the_saved_row_state(tiny_checkpoint,
     torch.testing.assert_close(resumed.hessians[3].gate_up, clean.hessians[3].gate_up)
     torch.testing.assert_close(resumed.hessians[3].down, clean.hessians[3].down)
     assert not (tmp_path / "out" / "calibration-state.pt").exists()
+
+
+def test_cli_dry_run_reports_the_plan_as_json_and_refuses_bad_tp(tiny_checkpoint, tmp_path, run_cli):
+    done = run_cli("quantize", "exl3", str(tiny_checkpoint.path), str(tmp_path / "out"), "--dry-run", "--tp", "1",
+                   "--experts", "model.layers.1.mlp.experts,model.layers.4.mlp.experts", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["dry_run"] and data["layers"] == ["model.layers.1.mlp.experts", "model.layers.4.mlp.experts"]
+    assert data["linears"] == 2 * 16 * 3 and data["quantization_config"]["quant_method"] == "glmctl_exl3"
+    assert not (tmp_path / "out").exists()
+    bad = run_cli("quantize", "exl3", str(tiny_checkpoint.path), str(tmp_path / "out"), "--dry-run", "--tp", "1,2")
+    assert bad.returncode == 2 and "not a multiple of 128" in bad.stderr
