@@ -8,10 +8,10 @@ torch references.
 How a forward runs (T tokens, top-k experts each, E local experts, R = FUSED_ROWS):
   1. x (bf16) -> fp16, the kernel's only activation type: values beyond +-65280 are clamped and
      counted in a device counter (`fp16_clamped`), never silently turned into inf.
-  Decode (T * top-k <= 256 slots, e.g. up to 32 tokens at top-8): `exl3_moe_coop`, exllamav3's
+  Decode (up to 2 x 256 slots, i.e. 64 tokens at top-8): `exl3_moe_coop`, exllamav3's
      decode-shaped kernel pair, takes vLLM's routing as it is (no sort, no counts): one block per
      (expert run, column group) for gate/up, then down, with self-resetting completion counters;
-     the result is written, not accumulated. Larger batches:
+     one call holds 256 (token, expert) slots, so 33-64 tokens take two calls. Larger batches:
   2. Routing on the device: the (token, expert) picks are sorted by expert (argsort), counted per
      expert with scatter_add_ (bincount would size its output from the data: a host sync), and
      the routing weights go to fp16 in the same order.
@@ -54,6 +54,7 @@ FP16_SAFE = 65280.0  # the largest bf16 value that fp16 can hold (fp16 max 65504
 FUSED_ROWS = 256  # rows per expert in the fused kernel's buffers (its 64-row tiles reach 256)
 TIERS = ((1, 16, 16), (17, 32, 32), (33, FUSED_ROWS, 64))  # (rows from, rows to, tile rows)
 COOP_SLOTS = 256  # exl3_moe_coop's scratch bound (MAX_SLOTS, exl3_moe_coop_kernel.cuh): T * top-k
+COOP_CALLS = 2  # up to this many coop calls per batch (64 tokens at top-8) before exl3_moe takes over
 HEAVY_GROUP_BYTES = 512 * 2**20  # fp16 weights reconstructed at once for heavy experts
 PREFILL_ENV = "GLMCTL_EXL3_PREFILL"  # "recon" (default): heavy experts reconstructed; "chunk": slices
 DECODE_ENV = "GLMCTL_EXL3_DECODE"  # "coop" (default): exl3_moe_coop up to 256 slots; "fused": exl3_moe
@@ -209,8 +210,14 @@ class Exl3MoE:
         if tokens == 0:
             return out.to(x.dtype)
         ids, weights = topk_ids.to(torch.int64), topk_weights
-        if self.decode_kernel == "coop" and tokens * ids.shape[1] <= COOP_SLOTS:
-            return self._coop(x16, ids, weights).to(x.dtype)
+        rows = COOP_SLOTS // ids.shape[1]  # tokens per exl3_moe_coop call (32 at top-8)
+        if self.decode_kernel == "coop" and tokens <= COOP_CALLS * rows:
+            if tokens <= rows:
+                return self._coop(x16, ids, weights).to(x.dtype)
+            y = torch.empty((tokens, self.hidden), dtype=x.dtype, device=x.device)
+            for t0 in range(0, tokens, rows):  # the kernel's output buffer is reused: copy out first
+                y[t0:t0 + rows].copy_(self._coop(x16[t0:t0 + rows], ids[t0:t0 + rows], weights[t0:t0 + rows]))
+            return y
         if tokens <= FUSED_ROWS:
             self._fused(x16, out, ids, weights, tokens)
         elif self.prefill_mode == "chunk" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):

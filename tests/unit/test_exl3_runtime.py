@@ -190,14 +190,18 @@ def test_decode_batches_take_the_coop_kernel_with_vllms_routing_as_is(fake, toke
     assert fake.coop_calls == 2
 
 
-def test_batches_beyond_the_coop_slots_fall_back_to_the_fused_kernel(fake):
+def test_batches_past_one_coop_call_take_two_then_the_fused_kernel(fake):
     import torch
 
     moe = _layer(fake, decode="coop")
-    x = torch.randn(129, 256).bfloat16()  # 129 tokens x top-2 = 258 slots > 256
-    ids, w = _routing(129, 6, 2, 9)
+    x = torch.randn(200, 256).bfloat16()  # 200 tokens x top-2 = 400 slots: two calls of 128 + 72 tokens
+    ids, w = _routing(200, 6, 2, 9)
     y = moe(x, ids, w)
-    assert fake.coop_calls == 0 and fake.launches and _rel(y, _reference(moe, x, ids, w)) < 1e-2
+    assert fake.coop_calls == 2 and not fake.launches and _rel(y, _reference(moe, x, ids, w)) < 1e-2
+    x = torch.randn(257, 256).bfloat16()  # past two calls' 256 tokens: exl3_moe
+    ids, w = _routing(257, 6, 2, 10)
+    y = moe(x, ids, w)
+    assert fake.coop_calls == 2 and fake.launches and _rel(y, _reference(moe, x, ids, w)) < 1e-2
 
 
 @pytest.mark.parametrize("mode", ["recon", "chunk"])
