@@ -9,9 +9,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from glmctl.quantize.exl3_format import (
+    MUL1_MARKER,
+    PROJECTIONS,
+    Exl3ExpertsSpec,
+    io_features,
+    trellis_shape,
+)
 
 from glmctl.errors import ConfigError
-from glmctl.quantize.exl3_format import MUL1_MARKER, PROJECTIONS, Exl3ExpertsSpec, io_features, trellis_shape
 
 pytest.importorskip("vllm")
 
@@ -22,7 +28,10 @@ def _spec(**kw) -> dict:
 
 
 def test_registration_respects_the_switch_and_is_idempotent(monkeypatch):
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        get_quantization_config,
+    )
 
     from glmctl.plugin.exl3_config import Exl3ExpertsConfig, register_exl3_quantization
 
