@@ -233,3 +233,16 @@ def test_cli_dry_run_reports_the_plan_as_json_and_refuses_bad_tp(tiny_checkpoint
     assert not (tmp_path / "out").exists()
     bad = run_cli("quantize", "exl3", str(tiny_checkpoint.path), str(tmp_path / "out"), "--dry-run", "--tp", "1,2")
     assert bad.returncode == 2 and "not a multiple of 128" in bad.stderr
+
+
+def test_default_tp_degrees_come_from_the_shipped_exl3_profiles(tmp_path, monkeypatch):
+    from importlib import resources
+
+    from glmctl.quantize.exl3_plan import default_tp_degrees
+
+    (tmp_path / "commercial.yaml").write_text("model: {weights: exl3}\ntensor_parallel_size: 8\n")
+    (tmp_path / "latency.yaml").write_text("model: {weights: fp8}\ntensor_parallel_size: 4\n")
+    monkeypatch.setattr(resources, "files", lambda package: tmp_path)
+    assert default_tp_degrees() == (8,)  # only profiles that serve EXL3 experts count
+    (tmp_path / "commercial.yaml").unlink()
+    assert default_tp_degrees() == (1, 2, 4, 8)  # none shipped: every degree up to a node of 8
