@@ -10,6 +10,10 @@ stream through the model (glmctl.quantize.exl3_calibrate); the rows' state after
 saved in the job directory, so `--resume` continues at the first unfinished layer. Without
 calibration every layer is independent. config.json is written last, then the directory is
 renamed into place: a DST that exists is complete.
+
+Memory: exllamav3 quantizes 16 experts at a time on the GPU; the layer's finished EXL3 tensors
+(about 3.6 GB for a GLM-5.3-Flash layer at 4 bits) stay in host memory until its unit is written,
+because the unit's header carries the layer's error report.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from pathlib import Path
 
 from glmctl.quantize.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
 from glmctl.quantize.exl3_backend import LayerHessians, QuantizedLinear
-from glmctl.quantize.exl3_format import EXLLAMAV3_VERSION, PROJECTIONS, REPORT_FILE, io_features
+from glmctl.quantize.exl3_format import EXLLAMAV3_VERSION, PROJECTIONS, REPORT_FILE
 from glmctl.quantize.exl3_plan import Exl3Plan, Exl3Settings, LayerPlan, plan_exl3
 from glmctl.quantize.exl3_source import SourceReader
 from glmctl.quantize.job import ConversionJob
-from glmctl.quantize.safetensors_io import DTYPE_BYTES, ShardReader, ShardWriter
+from glmctl.quantize.safetensors_io import ShardReader, ShardWriter
 
 from glmctl.errors import UsageError
 
@@ -313,11 +317,3 @@ def _u8():
 def _json(data: dict) -> bytes:
     return (json.dumps(data, indent=2) + "\n").encode("utf-8")
 
-
-def expert_bytes_fp8(hidden: int, intermediate: int, block: int = 128) -> int:
-    """Bytes of one expert in block FP8 (3 matrices + fp32 scales): the comparison in reports."""
-    total = 0
-    for proj in PROJECTIONS:
-        in_f, out_f = io_features(proj, hidden, intermediate)
-        total += in_f * out_f * DTYPE_BYTES["F8_E4M3"] + (-(-in_f // block)) * (-(-out_f // block)) * 4
-    return total
