@@ -13,14 +13,14 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     human = "human"
     json = "json"
     quiet = "quiet"
