@@ -44,18 +44,20 @@ def quantize_block_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     rows, cols = w.shape
     nb_r, nb_c = scale_shape((rows, cols), block)
     pad_r, pad_c = nb_r * block - rows, nb_c * block - cols
+    # fp32 first: torch's CPU reductions are ~2x faster on fp32 than on bf16, and the working copy
+    # is needed for the scaling anyway (a clone when `w` is already fp32, so `w` stays untouched).
+    x = w.float() if w.dtype != torch.float32 else w.clone()
     if pad_r or pad_c:
-        w = torch.nn.functional.pad(w, (0, pad_c, 0, pad_r))  # zeros never raise a block's amax
-    blocks = w.view(nb_r, block, nb_c, block)
-    # amax from max and min on the source dtype (exact): no |w| temporary, half the bytes of fp32.
-    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg()).float()
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))  # zeros never raise a block's amax
+    blocks = x.view(nb_r, block, nb_c, block)
+    # amax from max and min: no |x| temporary the size of the stripe.
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("the matrix holds NaN or infinite values")
     nonzero = amax > 0
     scale_inv = torch.where(nonzero, amax / FP8_MAX, torch.ones_like(amax))
-    x = blocks.float() if blocks.dtype != torch.float32 else blocks.clone()
-    x.mul_(torch.where(nonzero, FP8_MAX / amax, torch.ones_like(amax))[:, None, :, None])
-    q = x.to(torch.float8_e4m3fn).view(nb_r * block, nb_c * block)
+    blocks.mul_(torch.where(nonzero, FP8_MAX / amax, torch.ones_like(amax))[:, None, :, None])
+    q = blocks.to(torch.float8_e4m3fn).view(nb_r * block, nb_c * block)
     if pad_r or pad_c:
         q = q[:rows, :cols].contiguous()
     return q, scale_inv

@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,15 +188,16 @@ class ShardReader:
             got += n
 
     def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[memoryview]:
-        """The raw bytes of `entry` in pieces of at most `chunk_bytes` (for byte-exact copies)."""
+        """The raw bytes of `entry` in pieces of at most `chunk_bytes`, each in its own buffer (a
+        `ShardWriter` may still be writing earlier pieces while later ones are read)."""
         import torch
 
-        buf = torch.empty(min(chunk_bytes, max(entry.nbytes, 1)), dtype=torch.uint8)
         done = 0
         while done < entry.nbytes:
             n = min(chunk_bytes, entry.nbytes - done)
-            self.read_into(entry, done, buf[:n])
-            yield memoryview(buf[:n].numpy())
+            buf = torch.empty(n, dtype=torch.uint8)
+            self.read_into(entry, done, buf)
+            yield memoryview(buf.numpy())
             done += n
 
 
@@ -226,23 +229,45 @@ def encode_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> byt
 class ShardWriter:
     """Writes one shard: the header first, then each planned tensor's bytes, strictly in order.
 
-    `write(name, data)` may be called several times per tensor (row stripes); `close()` checks
-    every tensor got exactly its planned byte count, then flushes and fsyncs.
+    `write(name, data)` may be called several times per tensor (row stripes); the bytes go to the
+    file from a background thread (at most `QUEUE_DEPTH` pieces waiting), so the caller can read
+    and compute while the disk writes. `data` must not be modified after it is handed over. An
+    I/O error in the thread (a full disk) is raised by the next `write` or by `close`; `close()`
+    checks every tensor got exactly its planned byte count, then flushes and fsyncs.
     """
+
+    QUEUE_DEPTH = 4
 
     def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
         self.path = path
         self._plan = tensors
         self._index = 0
-        self._written = 0  # bytes of the current tensor
+        self._written = 0  # bytes of the current tensor handed over
         self._f = open(path, "wb")
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=self.QUEUE_DEPTH)
         try:
             self._f.write(encode_header(tensors, metadata))
         except BaseException:
             self._f.close()
             raise
+        self._thread = threading.Thread(target=self._drain, name=f"write {path.name}", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._f.write(data)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                    self._error = exc
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def write(self, name: str, data) -> None:
+        self._raise_pending()
         while self._index < len(self._plan) and self._plan[self._index].nbytes == self._written \
                 and self._plan[self._index].name != name:
             self._index, self._written = self._index + 1, 0  # previous tensor complete
@@ -252,11 +277,18 @@ class ShardWriter:
         n = memoryview(data).nbytes
         if self._written + n > planned.nbytes:
             raise RuntimeError(f"{self.path.name}: {name!r} got more than its {planned.nbytes} bytes")
-        self._f.write(data)
+        self._queue.put(data)
         self._written += n
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def close(self) -> None:
         missing = sum(t.nbytes for t in self._plan[self._index:]) - self._written
+        self._stop()
+        self._raise_pending()
         if missing:
             raise RuntimeError(f"{self.path.name}: closed with {missing} planned bytes unwritten")
         self._f.flush()
@@ -265,6 +297,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         try:
+            self._error = self._error or RuntimeError("aborted")  # the thread skips what is queued
+            self._stop()
             self._f.close()
         except OSError:
             pass
