@@ -101,7 +101,6 @@ def _drop_cache(path: Path) -> None:
 def read_all(path: Path) -> float:
     """Every tensor's bytes through glmctl's reader, in 8 MiB pieces into one reused buffer."""
     import torch
-
     from glmctl.quantize.checkpoint import open_checkpoint
     from glmctl.quantize.safetensors_io import ShardReader
 
@@ -139,7 +138,6 @@ def copy_all(src: Path, dst: Path) -> float:
 def quantize_in_memory(src: Path) -> float:
     """Quantise every tensor from cached memory on the converter's pool, no output: the CPU ceiling."""
     import torch
-
     from glmctl.quantize.checkpoint import open_checkpoint
     from glmctl.quantize.fp8 import quantize_block_fp8
     from glmctl.quantize.fp8_convert import _quantize_pool
