@@ -1,0 +1,245 @@
+"""Licences of the artifacts glmctl serves, and the operator's recorded acceptance of them.
+
+The catalogue (`licenses.yaml`, package data) names each licence glmctl knows: id, name, whether it
+allows commercial use, whether it must be accepted before use, the obligations, and the notice
+shown to the operator. An acceptance is a small JSON record (licence id, SHA-256 of the notice that
+was shown, UTC time, how it was given) kept in a `LicenseStore`: one per user under
+`glmctl.paths.licenses()`, and one next to each artifact (`<artifact>/.glmctl/licenses/`) so a
+checkpoint directory carries the record of the terms it was obtained under. A record only counts
+while its hash matches the current notice.
+
+Nothing here prompts: callers decide whether a terminal is there to ask (and never ask without one).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from datetime import UTC, datetime
+from hashlib import sha256
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from glmctl import paths
+from glmctl.errors import ConfigError
+
+ACCEPT_ENV = "GLMCTL_ACCEPT_LICENSES"  # comma-separated licence ids, same effect as --accept-license
+ARTIFACT_RECORDS = Path(".glmctl") / "licenses"
+
+# Licence identifiers as Hugging Face model cards and SPDX spell them that are known to allow
+# commercial use. Anything not known is reported as unknown, never assumed permissive.
+_PERMISSIVE = {
+    "mit", "apache-2.0", "bsd-2-clause", "bsd-3-clause", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0",
+    "unlicense", "isc", "zlib",
+}
+_NONCOMMERCIAL = re.compile(r"^cc-by-nc(-|$)")
+
+
+class License(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    name: str
+    applies_to: str
+    spdx: str | None = None
+    url: str | None = None
+    commercial_use: bool
+    requires_acceptance: bool
+    aliases: tuple[str, ...] = ()
+    obligations: tuple[str, ...] = ()
+    notice: str
+
+    @property
+    def notice_sha256(self) -> str:
+        return sha256(self.notice.encode()).hexdigest()
+
+    def names(self) -> set[str]:
+        """Every spelling that refers to this licence (lower case)."""
+        found = {self.id.lower(), *(a.lower() for a in self.aliases)}
+        if self.spdx:
+            found.add(self.spdx.lower())
+        return found
+
+
+class AcceptanceRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    license_id: str
+    license_name: str
+    notice_sha256: str
+    accepted_at: datetime
+    via: Literal["flag", "env", "prompt", "fetch"]
+    artifact: str | None = None
+    glmctl_version: str
+
+
+@functools.cache
+def catalogue() -> dict[str, License]:
+    raw = (resources.files("glmctl.hub") / "licenses.yaml").read_text()
+    import yaml
+
+    data = yaml.safe_load(raw) or {}
+    return {key: License(id=key, **entry) for key, entry in data.items()}
+
+
+def lookup(name: str) -> License | None:
+    """The catalogue entry an id, alias or SPDX id refers to, or None."""
+    wanted = name.strip().lower()
+    for lic in catalogue().values():
+        if wanted in lic.names():
+            return lic
+    return None
+
+
+def get_license(name: str) -> License:
+    lic = lookup(name)
+    if lic is None:
+        known = ", ".join(sorted(catalogue()))
+        raise ConfigError(f"unknown licence id '{name}'", hint=f"known licence ids: {known}")
+    return lic
+
+
+def commercial_use_allowed(identifier: str) -> bool | None:
+    """Whether a licence (catalogue id, HF model-card id or SPDX id) allows commercial use.
+
+    None means glmctl does not know: the caller must not treat that as permission.
+    """
+    if (lic := lookup(identifier)) is not None:
+        return lic.commercial_use
+    ident = identifier.strip().lower()
+    if _NONCOMMERCIAL.match(ident):
+        return False
+    if ident in _PERMISSIVE:
+        return True
+    return None
+
+
+class LicenseStore:
+    """Acceptance records in one directory, one `<licence id>.json` each, written atomically."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def _path(self, license_id: str) -> Path:
+        return self.root / f"{license_id}.json"
+
+    def record(self, license_id: str) -> AcceptanceRecord | None:
+        path = self._path(license_id)
+        try:
+            return AcceptanceRecord.model_validate_json(path.read_text())
+        except (OSError, ValidationError, ValueError):
+            return None  # absent or unreadable: not accepted (a broken record never counts)
+
+    def accepted(self, lic: License) -> AcceptanceRecord | None:
+        """The record of `lic` if it accepts the notice as it reads today."""
+        rec = self.record(lic.id)
+        return rec if rec is not None and rec.notice_sha256 == lic.notice_sha256 else None
+
+    def accept(
+        self, lic: License, via: str, artifact: Path | str | None = None
+    ) -> AcceptanceRecord:
+        from glmctl import __version__
+
+        rec = AcceptanceRecord(
+            license_id=lic.id,
+            license_name=lic.name,
+            notice_sha256=lic.notice_sha256,
+            accepted_at=datetime.now(UTC),
+            via=via,  # type: ignore[arg-type]
+            artifact=str(artifact) if artifact is not None else None,
+            glmctl_version=__version__,
+        )
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(lic.id).with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(rec.model_dump_json(indent=2) + "\n")
+        tmp.replace(self._path(lic.id))
+        return rec
+
+    def revoke(self, license_id: str) -> bool:
+        try:
+            self._path(license_id).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def records(self) -> list[AcceptanceRecord]:
+        if not self.root.is_dir():
+            return []
+        found = (self.record(p.stem) for p in sorted(self.root.glob("*.json")))
+        return [r for r in found if r is not None]
+
+
+def user_store() -> LicenseStore:
+    return LicenseStore(paths.licenses())
+
+
+def artifact_store(artifact_dir: Path) -> LicenseStore:
+    return LicenseStore(Path(artifact_dir) / ARTIFACT_RECORDS)
+
+
+def accepted_from_env() -> set[str]:
+    """Licence ids accepted through GLMCTL_ACCEPT_LICENSES (resolved to catalogue ids)."""
+    ids = set()
+    for item in os.environ.get(ACCEPT_ENV, "").split(","):
+        if item.strip():
+            ids.add(get_license(item).id)
+    return ids
+
+
+def find_acceptance(lic: License, artifact_dirs: list[Path] = ()) -> AcceptanceRecord | None:
+    """A current acceptance of `lic` in the user's store or next to any of the artifacts."""
+    for store in [user_store(), *(artifact_store(d) for d in artifact_dirs)]:
+        if (rec := store.accepted(lic)) is not None:
+            return rec
+    return None
+
+
+def artifact_license_ids(artifact_dir: Path) -> list[str]:
+    """The licences an artifact declares about itself, as written (lower case, de-duplicated).
+
+    Read from the model card's front matter (`license`, `license_name`; Hugging Face convention)
+    and from acceptance records stored next to the artifact (written by `glmctl fetch` or serve).
+    """
+    found: list[str] = []
+    card = Path(artifact_dir) / "README.md"
+    if card.is_file():
+        meta = _front_matter(card.read_text(errors="replace"))
+        for key in ("license", "license_name"):
+            value = meta.get(key)
+            values = value if isinstance(value, list) else [value]
+            found += [str(v).strip().lower() for v in values if v and str(v).lower() != "other"]
+    found += [rec.license_id.lower() for rec in artifact_store(artifact_dir).records()]
+    return list(dict.fromkeys(found))
+
+
+def _front_matter(text: str) -> dict:
+    if not text.startswith("---"):
+        return {}
+    end = text.find("\n---", 3)
+    if end < 0:
+        return {}
+    import yaml
+
+    try:
+        meta = yaml.safe_load(text[3:end])
+    except yaml.YAMLError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def describe(lic: License) -> dict:
+    """Plain data for output: what the licence is and what it obliges."""
+    return {
+        "id": lic.id,
+        "name": lic.name,
+        "applies_to": lic.applies_to,
+        "url": lic.url,
+        "commercial_use": lic.commercial_use,
+        "requires_acceptance": lic.requires_acceptance,
+        "obligations": list(lic.obligations),
+        "notice": lic.notice.strip(),
+    }

@@ -1,0 +1,154 @@
+"""Which licences a launch involves, which are accepted, and what a profile's usage forbids.
+
+Rules, in order:
+1. A `commercial` profile refuses any artifact whose licence forbids commercial use, whether the
+   profile declares it or the artifact does (model card, records next to it); no acceptance, flag
+   or environment variable changes that.
+2. A licence that requires acceptance is accepted by `--accept-license ID`, by
+   `GLMCTL_ACCEPT_LICENSES`, or by an earlier acceptance record (the user's, or one next to the
+   artifact). Acceptances given by flag or environment are recorded in both places.
+3. Otherwise the launch is refused (exit 2) with the flag to pass; the caller may ask on a terminal
+   instead, never without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glmctl.errors import ConfigError
+from glmctl.hub import licenses
+from glmctl.hub.licenses import AcceptanceRecord, License
+from glmctl.serving.schema import Profile
+
+
+@dataclass
+class Artifact:
+    role: str  # "checkpoint" | "drafter"
+    path: Path
+    declared: list[str]  # catalogue ids the profile declares for it
+
+
+@dataclass
+class LicenseGate:
+    in_play: list[License] = field(default_factory=list)
+    accepted: dict[str, AcceptanceRecord] = field(default_factory=dict)
+    missing: list[License] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    """Licences artifacts declare that glmctl cannot classify (reported, not refused)."""
+    unused_acceptances: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.refusals
+
+
+def artifacts(profile: Profile) -> list[Artifact]:
+    found = []
+    if profile.model.path is not None:
+        found.append(Artifact("checkpoint", Path(profile.model.path), list(profile.model.licenses)))
+    drafter = profile.speculative.drafter
+    if drafter is not None:
+        declared = list(drafter.licenses)
+        if drafter.path is not None:
+            found.append(Artifact("drafter", Path(drafter.path), declared))
+        elif declared:  # not given yet: its licence still decides what the profile may do
+            found.append(Artifact("drafter", Path("<drafter not given>"), declared))
+    return found
+
+
+def _what(art: Artifact, profile: Profile) -> str:
+    if art.role == "drafter":
+        return f"its drafter ({profile.speculative.method.upper()})"
+    return f"its checkpoint {art.path}"
+
+
+def evaluate(
+    profile: Profile,
+    accept: list[str] = (),
+    confirm: Callable[[License], bool] | None = None,
+) -> LicenseGate:
+    """Decide the gate for `profile`; records acceptances given by flag, env or `confirm`."""
+    gate = LicenseGate()
+    flagged = {licenses.get_license(a).id for a in accept}
+    from_env = licenses.accepted_from_env()
+    arts = artifacts(profile)
+    dirs = [a.path for a in arts if a.path.is_dir()]
+
+    for art in arts:
+        ids = list(art.declared)
+        if art.path.is_dir():
+            for ident in licenses.artifact_license_ids(art.path):
+                lic = licenses.lookup(ident)
+                if lic is not None:
+                    ids.append(lic.id)
+                else:
+                    allowed = licenses.commercial_use_allowed(ident)
+                    if allowed is False and profile.usage == "commercial":
+                        gate.refusals.append(
+                            f"profile '{profile.name}' is for commercial use, but "
+                            f"{_what(art, profile)} declares licence '{ident}', which forbids it"
+                        )
+                    elif allowed is None:
+                        gate.unknown.append(f"{art.role} {art.path}: licence '{ident}'")
+        for lic_id in dict.fromkeys(ids):
+            lic = licenses.get_license(lic_id)
+            if lic not in gate.in_play:
+                gate.in_play.append(lic)
+            if profile.usage == "commercial" and not lic.commercial_use:
+                gate.refusals.append(
+                    f"profile '{profile.name}' is for commercial use, but {_what(art, profile)} "
+                    f"is licensed {lic.name}, which forbids commercial use"
+                )
+
+    for lic in gate.in_play:
+        if not lic.requires_acceptance:
+            continue
+        via = "flag" if lic.id in flagged else "env" if lic.id in from_env else None
+        if via is None and (rec := licenses.find_acceptance(lic, dirs)) is not None:
+            gate.accepted[lic.id] = rec
+            continue
+        if via is None and not gate.refusals and confirm is not None and confirm(lic):
+            via = "prompt"
+        if via is None:
+            gate.missing.append(lic)
+            continue
+        if gate.refusals:
+            continue  # never record an acceptance for a launch that is refused anyway
+        rec = licenses.user_store().accept(lic, via)
+        for art_dir in dirs:
+            licenses.artifact_store(art_dir).accept(lic, via, artifact=art_dir)
+        gate.accepted[lic.id] = rec
+    gate.unused_acceptances = sorted(flagged - {lic.id for lic in gate.in_play})
+    return gate
+
+
+def refusal_message(profile: Profile, gate: LicenseGate) -> tuple[str, str]:
+    """The operator-facing sentence and hint for a gate that is not ok."""
+    if gate.refusals:
+        return (
+            "; ".join(gate.refusals),
+            "use a profile with usage: noncommercial for non-commercial artifacts, or an artifact "
+            "licensed for commercial use",
+        )
+    parts, flags = [], []
+    for lic in gate.missing:
+        users = [a.role for a in artifacts(profile) if lic.id in a.declared] or ["an artifact"]
+        parts.append(f"profile '{profile.name}' uses {' and '.join(users)} licensed {lic.name}")
+        flags.append(f"--accept-license {lic.id}")
+    obligations = "; ".join(o for lic in gate.missing for o in lic.obligations)
+    return (
+        "; ".join(parts) + f"; pass {' '.join(flags)} to use it",
+        f"by accepting you agree to: {obligations} (glmctl records the acceptance)",
+    )
+
+
+def check_accept_ids(accept: list[str]) -> None:
+    for ident in accept:
+        if licenses.lookup(ident) is None:
+            raise ConfigError(
+                f"--accept-license {ident}: no such licence id",
+                hint="known ids: " + ", ".join(sorted(licenses.catalogue())),
+            )
