@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from glmctl import __version__
-from glmctl.commands import bench, doctor, fetch, plan, quantize, testing
+from glmctl.commands import bench, doctor, fetch, plan, profile, quantize, serve, testing
 from glmctl.commands import eval as eval_commands
 
 app = typer.Typer(
@@ -30,11 +30,13 @@ COMMANDS = [
     ("fetch", fetch.fetch),
     ("doctor", doctor.doctor),
     ("bench", bench.bench),
+    ("serve", serve.serve),
 ]
 GROUPS = [
     ("quantize", quantize.app),
     ("testing", testing.app),
     ("eval", eval_commands.app),
+    ("profile", profile.app),
 ]
 
 for _name, _func in COMMANDS:

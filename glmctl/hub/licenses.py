@@ -3,8 +3,9 @@
 The catalogue (`licenses.yaml`, package data) names each licence glmctl knows: id, name, whether it
 allows commercial use, whether it must be accepted before use, the obligations, and the notice
 shown to the operator. An acceptance is a small JSON record (licence id, SHA-256 of the notice that
-was shown, UTC time, how it was given) kept in a `LicenseStore`: one per user under
-`glmctl.paths.licenses()`, and one next to each artifact (`<artifact>/.glmctl/licenses/`) so a
+was shown, UTC time, how it was given) kept in a `LicenseStore`: one per user
+(`glmctl.paths.licenses()/<id>.json`), and one next to each artifact
+(`<artifact>/.glmctl/license-<id>.json`, where `glmctl fetch` also keeps its manifest) so a
 checkpoint directory carries the record of the terms it was obtained under. A record only counts
 while its hash matches the current notice.
 
@@ -28,7 +29,7 @@ from glmctl import paths
 from glmctl.errors import ConfigError
 
 ACCEPT_ENV = "GLMCTL_ACCEPT_LICENSES"  # comma-separated licence ids, same effect as --accept-license
-ARTIFACT_RECORDS = Path(".glmctl") / "licenses"
+ARTIFACT_DIR = ".glmctl"  # the per-artifact metadata folder (shared with glmctl fetch's manifest)
 
 # Licence identifiers as Hugging Face model cards and SPDX spell them that are known to allow
 # commercial use. Anything not known is reported as unknown, never assumed permissive.
@@ -66,15 +67,17 @@ class License(BaseModel):
 
 
 class AcceptanceRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
-    license_id: str
-    license_name: str
-    notice_sha256: str
+    license: str
+    """The licence id."""
+    license_name: str = ""
+    text_sha256: str
+    """SHA-256 of the notice that was shown when it was accepted (`License.notice_sha256`)."""
     accepted_at: datetime
-    via: Literal["flag", "env", "prompt", "fetch"]
+    via: Literal["flag", "env", "prompt"] = "flag"
     artifact: str | None = None
-    glmctl_version: str
+    glmctl_version: str = ""
 
 
 @functools.cache
@@ -119,13 +122,14 @@ def commercial_use_allowed(identifier: str) -> bool | None:
 
 
 class LicenseStore:
-    """Acceptance records in one directory, one `<licence id>.json` each, written atomically."""
+    """Acceptance records in one directory, one `<prefix><licence id>.json` each, written atomically."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, prefix: str = "") -> None:
         self.root = Path(root)
+        self.prefix = prefix
 
     def _path(self, license_id: str) -> Path:
-        return self.root / f"{license_id}.json"
+        return self.root / f"{self.prefix}{license_id}.json"
 
     def record(self, license_id: str) -> AcceptanceRecord | None:
         path = self._path(license_id)
@@ -137,7 +141,7 @@ class LicenseStore:
     def accepted(self, lic: License) -> AcceptanceRecord | None:
         """The record of `lic` if it accepts the notice as it reads today."""
         rec = self.record(lic.id)
-        return rec if rec is not None and rec.notice_sha256 == lic.notice_sha256 else None
+        return rec if rec is not None and rec.text_sha256 == lic.notice_sha256 else None
 
     def accept(
         self, lic: License, via: str, artifact: Path | str | None = None
@@ -145,9 +149,9 @@ class LicenseStore:
         from glmctl import __version__
 
         rec = AcceptanceRecord(
-            license_id=lic.id,
+            license=lic.id,
             license_name=lic.name,
-            notice_sha256=lic.notice_sha256,
+            text_sha256=lic.notice_sha256,
             accepted_at=datetime.now(UTC),
             via=via,  # type: ignore[arg-type]
             artifact=str(artifact) if artifact is not None else None,
@@ -169,8 +173,8 @@ class LicenseStore:
     def records(self) -> list[AcceptanceRecord]:
         if not self.root.is_dir():
             return []
-        found = (self.record(p.stem) for p in sorted(self.root.glob("*.json")))
-        return [r for r in found if r is not None]
+        stems = (p.stem.removeprefix(self.prefix) for p in sorted(self.root.glob(f"{self.prefix}*.json")))
+        return [r for r in map(self.record, stems) if r is not None and r.license]
 
 
 def user_store() -> LicenseStore:
@@ -178,7 +182,7 @@ def user_store() -> LicenseStore:
 
 
 def artifact_store(artifact_dir: Path) -> LicenseStore:
-    return LicenseStore(Path(artifact_dir) / ARTIFACT_RECORDS)
+    return LicenseStore(Path(artifact_dir) / ARTIFACT_DIR, prefix="license-")
 
 
 def accepted_from_env() -> set[str]:
@@ -201,8 +205,8 @@ def find_acceptance(lic: License, artifact_dirs: list[Path] = ()) -> AcceptanceR
 def artifact_license_ids(artifact_dir: Path) -> list[str]:
     """The licences an artifact declares about itself, as written (lower case, de-duplicated).
 
-    Read from the model card's front matter (`license`, `license_name`; Hugging Face convention)
-    and from acceptance records stored next to the artifact (written by `glmctl fetch` or serve).
+    Read from the model card's front matter (`license`, `license_name`; Hugging Face convention),
+    from `glmctl fetch`'s manifest, and from acceptance records stored next to the artifact.
     """
     found: list[str] = []
     card = Path(artifact_dir) / "README.md"
@@ -212,7 +216,15 @@ def artifact_license_ids(artifact_dir: Path) -> list[str]:
             value = meta.get(key)
             values = value if isinstance(value, list) else [value]
             found += [str(v).strip().lower() for v in values if v and str(v).lower() != "other"]
-    found += [rec.license_id.lower() for rec in artifact_store(artifact_dir).records()]
+    from glmctl.hub.manifest import read_manifest
+
+    try:
+        manifest = read_manifest(Path(artifact_dir))
+    except (OSError, ValueError):
+        manifest = None
+    if manifest is not None and manifest.license:
+        found.append(manifest.license.lower())
+    found += [rec.license.lower() for rec in artifact_store(artifact_dir).records()]
     return list(dict.fromkeys(found))
 
 

@@ -136,7 +136,7 @@ class VllmProcess:
             self._reader.join(timeout=5)
         return exit_status(code)
 
-    def signal(self, sig: int) -> None:
+    def send(self, sig: int) -> None:
         """Send `sig` to the server process (vLLM forwards shutdown to its children)."""
         if self._proc is not None and self._proc.poll() is None:
             try:
@@ -167,7 +167,7 @@ class VllmProcess:
         and SIGKILL 5 s later. Returns once the group is empty (or 10 s after SIGKILL).
         """
         assert self._proc is not None, "not started"
-        self.signal(sig)
+        self.send(sig)
         try:
             self._proc.wait(grace_s)
         except subprocess.TimeoutExpired:

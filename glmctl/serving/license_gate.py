@@ -59,12 +59,6 @@ def artifacts(profile: Profile) -> list[Artifact]:
     return found
 
 
-def _what(art: Artifact, profile: Profile) -> str:
-    if art.role == "drafter":
-        return f"its drafter ({profile.speculative.method.upper()})"
-    return f"its checkpoint {art.path}"
-
-
 def evaluate(
     profile: Profile,
     accept: list[str] = (),
@@ -88,8 +82,8 @@ def evaluate(
                     allowed = licenses.commercial_use_allowed(ident)
                     if allowed is False and profile.usage == "commercial":
                         gate.refusals.append(
-                            f"profile '{profile.name}' is for commercial use, but "
-                            f"{_what(art, profile)} declares licence '{ident}', which forbids it"
+                            f"profile '{profile.name}' is for commercial use, but its {art.role} "
+                            f"{art.path} declares licence '{ident}', which forbids commercial use"
                         )
                     elif allowed is None:
                         gate.unknown.append(f"{art.role} {art.path}: licence '{ident}'")
@@ -99,8 +93,8 @@ def evaluate(
                 gate.in_play.append(lic)
             if profile.usage == "commercial" and not lic.commercial_use:
                 gate.refusals.append(
-                    f"profile '{profile.name}' is for commercial use, but {_what(art, profile)} "
-                    f"is licensed {lic.name}, which forbids commercial use"
+                    f"profile '{profile.name}' is for commercial use, but its {art.role} is "
+                    f"{lic.applies_to} ({lic.spdx or lic.name}), which forbids commercial use"
                 )
 
     for lic in gate.in_play:
@@ -135,8 +129,8 @@ def refusal_message(profile: Profile, gate: LicenseGate) -> tuple[str, str]:
         )
     parts, flags = [], []
     for lic in gate.missing:
-        users = [a.role for a in artifacts(profile) if lic.id in a.declared] or ["an artifact"]
-        parts.append(f"profile '{profile.name}' uses {' and '.join(users)} licensed {lic.name}")
+        short = lic.spdx or lic.name
+        parts.append(f"profile '{profile.name}' uses {lic.applies_to} ({short})")
         flags.append(f"--accept-license {lic.id}")
     obligations = "; ".join(o for lic in gate.missing for o in lic.obligations)
     return (
