@@ -102,7 +102,9 @@ class VllmProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # The supervisor's pid lets glmctl.serving.vllm_entry ask the kernel to stop vLLM if the
+        # supervisor is killed outright.
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1", "GLMCTL_SUPERVISOR_PID": str(os.getpid())}
         self._started_at = time.monotonic()
         self._proc = subprocess.Popen(
             self.argv,
@@ -163,8 +165,9 @@ class VllmProcess:
     def stop(self, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> int:
         """Stop the whole process tree; returns the server's exit status.
 
-        `sig` goes to the server first; after `grace_s` every process of the group gets SIGTERM,
-        and SIGKILL 5 s later. Returns once the group is empty (or 10 s after SIGKILL).
+        `sig` goes to the server, which shuts its engine and workers down in order. If it is still
+        running after `grace_s`, or leaves processes behind, the group gets SIGTERM and then
+        SIGKILL. Returns once the group is empty (or 10 s after SIGKILL).
         """
         assert self._proc is not None, "not started"
         self.send(sig)
@@ -176,15 +179,13 @@ class VllmProcess:
                 self._proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        # Children (engine core, workers) may outlive the server: give them a moment, then kill.
-        deadline = time.monotonic() + 5
-        while self.group_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if self.group_alive():
-            self._signal_group(signal.SIGKILL)
-            deadline = time.monotonic() + 10
+        for next_signal, patience_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0), (None, 10.0)):
+            deadline = time.monotonic() + patience_s
             while self.group_alive() and time.monotonic() < deadline:
-                time.sleep(0.1)
+                time.sleep(0.05)
+            if not self.group_alive() or next_signal is None:
+                break
+            self._signal_group(next_signal)
         return self.wait()
 
     def kill(self) -> None:

@@ -145,42 +145,49 @@ def _vllm(launch: RenderedLaunch, report: PreflightReport) -> None:
         ))
 
 
-def _gpus(launch: RenderedLaunch, report: PreflightReport) -> None:
-    from glmctl.serving.gpus import inventory
-
-    hw = launch.profile.hardware
-    before = len(report.failures)
-    need = max(hw.gpus or 0, launch.profile.tensor_parallel_size)
-    gpus = inventory()
-    report.gpus = gpus
+def gpu_findings(profile, gpus: list) -> tuple[list[Finding], str | None]:
+    """What the visible GPUs lack for `profile` (failures), or a one-line summary of the fit."""
+    hw = profile.hardware
+    need = max(hw.gpus or 0, profile.tensor_parallel_size)
     if len(gpus) < need:
-        report.failures.append(Finding(
-            "gpus", f"profile '{launch.profile.name}' needs {need} GPUs; {len(gpus)} visible",
-            "run on a node with enough GPUs (check CUDA_VISIBLE_DEVICES and `nvidia-smi`)"))
-        return
+        return [Finding("gpus", f"profile '{profile.name}' needs {need} GPUs; {len(gpus)} visible",
+                        "run on a node with enough GPUs (check CUDA_VISIBLE_DEVICES and `nvidia-smi`)")], None
     used = gpus[:need]
+    found = []
     if hw.min_compute_capability:
         major, minor = (int(x) for x in hw.min_compute_capability.split("."))
-        low = [g for g in used if g.compute_capability < (major, minor)]
+        low = [g for g in used if tuple(g.compute_capability) < (major, minor)]
         if low:
-            names = ", ".join(f"GPU {g.index} {g.name} sm_{g.compute_capability[0]}{g.compute_capability[1]}" for g in low)
-            report.failures.append(Finding("gpus", f"needs compute capability >= {hw.min_compute_capability}: {names}",
-                                           "Ampere (8.0) or newer is required"))
+            names = ", ".join(f"GPU {g.index} {g.name} (sm_{g.compute_capability[0]}{g.compute_capability[1]})"
+                              for g in low)
+            found.append(Finding("gpus", f"needs compute capability >= {hw.min_compute_capability}: {names}",
+                                 "Ampere (8.0) or newer is required"))
     if hw.min_gpu_memory_gib:
         small = [g for g in used if g.total_gib < hw.min_gpu_memory_gib]
         if small:
             names = ", ".join(f"GPU {g.index} ({g.total_gib:.1f} GiB)" for g in small)
-            report.failures.append(Finding("gpus", f"needs {hw.min_gpu_memory_gib:g} GiB per GPU: {names}",
-                                           "use GPUs with more memory, or a profile planned for these"))
-    util = launch.profile.gpu_memory_utilization or 0.92  # vLLM 0.30's default
+            found.append(Finding("gpus", f"needs {hw.min_gpu_memory_gib:g} GiB per GPU: {names}",
+                                 "use GPUs with more memory, or a profile planned for these"))
+    util = profile.gpu_memory_utilization or 0.92  # vLLM 0.30's default
     busy = [g for g in used if g.free_gib < util * g.total_gib]
     if busy:
         names = ", ".join(f"GPU {g.index} ({g.free_gib:.1f} of {g.total_gib:.1f} GiB free)" for g in busy)
-        report.failures.append(Finding("gpus", f"vLLM will ask for {util:.0%} of each GPU; in use elsewhere: {names}",
-                                       "stop the other processes on these GPUs (nvidia-smi)"))
-    if len(report.failures) == before:
-        report.passed.append(f"{need} GPUs: {used[0].name}, sm_{used[0].compute_capability[0]}"
-                             f"{used[0].compute_capability[1]}, {used[0].total_gib:.1f} GiB")
+        found.append(Finding("gpus", f"vLLM will claim {util:.0%} of each GPU, but memory is in use: {names}",
+                             "stop the other processes on these GPUs (nvidia-smi)"))
+    first = used[0]
+    summary = (f"{need} GPUs: {first.name}, sm_{first.compute_capability[0]}{first.compute_capability[1]}, "
+               f"{first.total_gib:.1f} GiB")
+    return found, None if found else summary
+
+
+def _gpus(launch: RenderedLaunch, report: PreflightReport) -> None:
+    from glmctl.serving.gpus import inventory
+
+    report.gpus = inventory()
+    failures, summary = gpu_findings(launch.profile, report.gpus)
+    report.failures += failures
+    if summary:
+        report.passed.append(summary)
 
 
 def _capacity(launch: RenderedLaunch, report: PreflightReport) -> None:

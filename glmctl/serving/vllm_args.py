@@ -45,23 +45,35 @@ class VllmCheck:
 
 def check(config_yaml: str, env: dict[str, str] | None = None, timeout: float = 300) -> VllmCheck:
     """Run the check on the text of a `vllm serve --config` file, in a child process."""
+    return check_many([config_yaml], env, timeout)[0]
+
+
+def check_many(
+    config_yamls: list[str], env: dict[str, str] | None = None, timeout: float = 300
+) -> list[VllmCheck]:
+    """`check` for several configs, paying for one vLLM import."""
     with tempfile.TemporaryDirectory(prefix="glmctl-vllm-check-") as tmp:
-        path = Path(tmp) / "vllm.yaml"
-        path.write_text(config_yaml)
+        config_paths = []
+        for i, text in enumerate(config_yamls):
+            path = Path(tmp) / f"vllm-{i}.yaml"
+            path.write_text(text)
+            config_paths.append(str(path))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "glmctl.serving.vllm_args", str(path)],
+                [sys.executable, "-m", "glmctl.serving.vllm_args", *config_paths],
                 capture_output=True, text=True, timeout=timeout,
                 env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
                 stdin=subprocess.DEVNULL,
             )
         except subprocess.TimeoutExpired:
-            return VllmCheck(error=f"vLLM's argument check did not finish within {timeout:.0f} s")
+            failed = VllmCheck(error=f"vLLM's argument check did not finish within {timeout:.0f} s")
+            return [failed for _ in config_yamls]
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(_MARK):
-            return VllmCheck(**json.loads(line[len(_MARK):]))
+            return [VllmCheck(**r) for r in json.loads(line[len(_MARK):])]
     tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-    return VllmCheck(error=f"vLLM's argument check failed (exit {proc.returncode}): {tail}")
+    failed = VllmCheck(error=f"vLLM's argument check failed (exit {proc.returncode}): {tail}")
+    return [failed for _ in config_yamls]
 
 
 # ---- the child process ------------------------------------------------------------------------
@@ -157,8 +169,8 @@ def _run_check(config_path: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    result = _run_check(argv[0])
-    sys.stdout.write("\n" + _MARK + json.dumps(result) + "\n")
+    results = [_run_check(path) for path in argv]
+    sys.stdout.write("\n" + _MARK + json.dumps(results) + "\n")
 
 
 if __name__ == "__main__":

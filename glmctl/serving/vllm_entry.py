@@ -12,7 +12,10 @@ hands over to vLLM's `main()`; every argument is parsed by vLLM itself.
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
 import sys
+
+SUPERVISOR_ENV = "GLMCTL_SUPERVISOR_PID"
 
 
 def vllm_distribution_version() -> str | None:
@@ -42,7 +45,23 @@ def _answer_vllm_version_lookup() -> None:
     metadata.version = version
 
 
+def _stop_with_supervisor() -> None:
+    """Under `glmctl serve`, have the kernel send SIGTERM here if glmctl dies, even by SIGKILL,
+    so that a killed supervisor never leaves a server (and its GPUs) running on its own."""
+    supervisor = os.environ.pop(SUPERVISOR_ENV, None)
+    if not supervisor or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(supervisor):  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> None:
+    _stop_with_supervisor()
     _answer_vllm_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -1,0 +1,196 @@
+"""Serving profiles: the shipped four say what the report says, the schema is strict, `extends`
+merges as documented, and rendering gives exactly what `vllm serve --config` reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from glmctl import paths
+from glmctl.errors import ConfigError
+from glmctl.serving import profiles, render
+
+
+def _user_profile(name: str, text: str) -> None:
+    root = paths.user_profiles()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}.yaml").write_text(text)
+
+
+def _rendered(name: str, **paths_):
+    prof = render.with_paths(profiles.load(name), **paths_)
+    return render.render(prof)
+
+
+def test_shipped_profiles_are_the_four_and_all_valid():
+    rows = {r.name: r for r in profiles.summaries()}
+    assert set(rows) == {"commercial", "noncommercial", "latency", "tiny-cpu"}
+    assert all(r.error is None and r.origin == "shipped" for r in rows.values())
+
+
+def test_commercial_renders_the_reports_commercial_stack(tmp_path):
+    launch = _rendered("commercial", model=tmp_path)
+    c = launch.config
+    assert c["model"] == str(tmp_path.absolute())
+    assert c["tensor-parallel-size"] == 8 and c["max-num-seqs"] == 8 and c["max-model-len"] == 262144
+    assert c["kv-cache-dtype"] == "fp8"
+    assert c["speculative-config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert c["compilation-config"] == {"max_cudagraph_capture_size": 48}
+    assert c["enable-chunked-prefill"] is True and c["max-num-batched-tokens"] > 0
+    assert c["disable-custom-all-reduce"] is True
+    assert launch.env == {
+        "NCCL_P2P_DISABLE": "1",
+        "GLMCTL_COLLECTIVES": "host-staged",
+        "GLMCTL_COLLECTIVES_INT8": "prefill",
+    }
+    prof = launch.profile
+    assert prof.usage == "commercial" and prof.model.weights == "exl3"
+    assert prof.model.licenses == ["shapleymcg-1.0"]
+    assert prof.hardware.gpus == 8 and prof.hardware.min_compute_capability == "8.0"
+    assert [lic.id for lic in launch.notices] == ["shapleymcg-1.0"]
+    assert "ShapleyMcg (Brandon M. Music)" in launch.config_yaml()  # the notice is kept
+    assert prof.advisories() == []
+
+
+def test_noncommercial_is_commercial_with_the_dflash2_drafter(tmp_path):
+    launch = _rendered("noncommercial", model=tmp_path / "m", drafter=tmp_path / "d")
+    commercial = _rendered("commercial", model=tmp_path / "m")
+    assert launch.profile.usage == "noncommercial"
+    assert launch.config.pop("speculative-config") == {
+        "method": "dflash", "model": str((tmp_path / "d").absolute()), "num_speculative_tokens": 5,
+    }
+    commercial.config.pop("speculative-config")
+    assert launch.config == commercial.config and launch.env == commercial.env
+    assert "dflash2-cc-by-nc-nd-4.0" in [lic.id for lic in launch.notices]
+    assert launch.profile.advisories() == []  # 8 x (1 + 5) = 48 = the CUDA-graph limit
+
+
+def test_noncommercial_needs_its_drafter_path(tmp_path):
+    with pytest.raises(ConfigError, match="--drafter"):
+        _rendered("noncommercial", model=tmp_path)
+
+
+def test_latency_is_fp8_without_speculation_and_fewer_slots(tmp_path):
+    launch = _rendered("latency", model=tmp_path)
+    assert launch.profile.model.weights == "fp8"
+    assert launch.config["kv-cache-dtype"] == "fp8"
+    assert "speculative-config" not in launch.config
+    assert launch.config["max-num-seqs"] < 8
+
+
+def test_tiny_cpu_has_the_cpu_workarounds(tmp_path):
+    launch = _rendered("tiny-cpu", model=tmp_path)
+    c = launch.config
+    assert launch.profile.platform == "cpu"
+    assert c["enable-prefix-caching"] is False and c["kernel-config"] == {"enable_jit_warmup": False}
+    assert c["block-size"] % (32 * 16) == 0  # 32 x the tiny checkpoint's index_kpool
+    assert "tensor-parallel-size" in c and not any(k.startswith("GLMCTL_COLL") for k in launch.env)
+
+
+def test_a_profile_without_a_model_path_says_to_pass_model():
+    with pytest.raises(ConfigError, match="--model"):
+        render.render(profiles.load("commercial"))
+
+
+def test_unknown_profile_names_the_known_ones():
+    with pytest.raises(ConfigError) as err:
+        profiles.load("nope")
+    assert "commercial" in err.value.hint and "tiny-cpu" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("usage: commercial\nmax_num_seqs: 1\nmax_model_len: 64\nmax_num_seq: 2\n", "max_num_seq: not a profile setting"),
+        ("extends: tiny-cpu\nvllm_args:\n  max-model-len: 10\n", "set max_model_len instead"),
+        ("extends: tiny-cpu\nvllm_args:\n  speculative_config: {}\n", "set speculative instead"),
+        ("extends: tiny-cpu\nenv:\n  NCCL_P2P_DISABLE: true\n", 'give a string such as "1"'),
+        ("extends: tiny-cpu\nhardware:\n  gpus: 8\n", "platform 'cpu' has no GPUs"),
+        ("extends: commercial\nspeculative:\n  method: mtp\n", "needs `tokens`"),
+        ("extends: commercial\ncollectives:\n  mode: vllm\n", "int8_prefill_all_reduce needs mode 'host-staged'"),
+        ("extends: commercial\ncuda_graph_max_tokens: 0\n", "cuda_graph_max_tokens"),
+        ("extends: commercial\nvllm_args:\n  compilation-config:\n    cudagraph_capture_sizes: [1]\n",
+         "clashes with cuda_graph_max_tokens"),
+        ("name: x\nextends: commercial\n", "sets `name`"),
+        ("extends: [a]\n", "`extends` must be a profile name"),
+        ("usage: commercial\n- a list\n", "not valid YAML"),
+    ],
+)
+def test_schema_errors_name_the_field_and_the_fix(text, expected):
+    _user_profile("bad", text)
+    with pytest.raises(ConfigError) as err:
+        profiles.load("bad")
+    assert expected in err.value.message
+
+
+def test_vllm_arg_names_are_normalised_to_flag_spelling():
+    _user_profile("mine", "extends: tiny-cpu\nvllm_args:\n  --max_logprobs: 5\n  disable_log_stats: true\n")
+    args = profiles.load("mine").vllm_args
+    assert args["max-logprobs"] == 5 and args["disable-log-stats"] is True
+    assert "max_logprobs" not in args
+
+
+def test_extends_merges_and_null_removes():
+    _user_profile("mine", "extends: tiny-cpu\ndescription: mine\nvllm_args:\n  block-size: null\n  max-logprobs: 3\n"
+                          "  kernel-config:\n    moe_backend: auto\n")
+    prof = profiles.load("mine")
+    shipped = profiles.load("tiny-cpu")
+    assert prof.extends == "tiny-cpu" and prof.description == "mine"
+    assert "block-size" not in prof.vllm_args and prof.vllm_args["max-logprobs"] == 3
+    assert prof.vllm_args["kernel-config"] == {"enable_jit_warmup": False, "moe_backend": "auto"}
+    assert prof.env == shipped.env and prof.max_model_len == shipped.max_model_len
+
+
+def test_a_new_speculative_method_replaces_the_whole_block():
+    _user_profile("plain", "extends: commercial\nspeculative:\n  method: none\n")
+    assert profiles.load("plain").speculative.method == "none"  # tokens: 3 is not carried over
+    _user_profile("drafted", "extends: noncommercial\nspeculative:\n  drafter:\n    path: /models/d\n")
+    spec = profiles.load("drafted").speculative  # no method: keys merge into the parent's block
+    assert spec.method == "dflash2" and spec.tokens == 5 and str(spec.drafter.path) == "/models/d"
+    assert spec.drafter.licenses == ["dflash2-cc-by-nc-nd-4.0"]
+
+
+def test_a_user_profile_shadows_and_can_extend_the_shipped_one_of_its_name():
+    _user_profile("commercial", "extends: commercial\nmax_num_seqs: 4\n")
+    prof = profiles.load("commercial")
+    assert prof.max_num_seqs == 4 and prof.speculative.tokens == 3
+    [row] = [r for r in profiles.summaries() if r.name == "commercial"]
+    assert row.origin == "user"
+
+
+def test_extends_loops_are_reported():
+    _user_profile("a", "extends: b\n")
+    _user_profile("b", "extends: a\n")
+    with pytest.raises(ConfigError, match="loops"):
+        profiles.load("a")
+
+
+def test_written_files_are_what_vllm_and_a_shell_read(tmp_path):
+    launch = _rendered("commercial", model=tmp_path / "ckpt")
+    files = render.write(launch, tmp_path / "out")
+    assert yaml.safe_load(files.config.read_text()) == launch.config
+    env = subprocess.run(["bash", "-c", f"set -a; . {files.env}; env"], capture_output=True, text=True).stdout
+    assert "GLMCTL_COLLECTIVES=host-staged" in env.splitlines()
+    assert "vllm.yaml" in files.command_line and files.env.name in files.command_line
+    assert files.command.stat().st_mode & 0o111
+    assert "ShapleyMcg License 1.0" in files.notices.read_text()
+    assert not list((tmp_path / "out").glob(".*tmp*"))  # written atomically, nothing left behind
+
+
+def test_profile_cli_ls_show_render_validate(run_cli, tmp_path):
+    rows = json.loads(run_cli("profile", "ls", "--json").stdout)
+    assert {r["name"] for r in rows} >= {"commercial", "tiny-cpu"}
+    shown = json.loads(run_cli("profile", "show", "noncommercial", "--json").stdout)
+    assert shown["speculative"]["method"] == "dflash2" and shown["max_num_seqs"] == 8
+    proc = run_cli("profile", "render", "latency", "--model", str(tmp_path), "--out", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "r" / "vllm.yaml").is_file() and "vllm.env" in proc.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extends: tiny-cpu\nvllm_args:\n  max-model-len: 5\n")
+    proc = run_cli("profile", "validate", str(bad), "--no-vllm")
+    assert proc.returncode == 2 and "set max_model_len instead" in proc.stdout
+    proc = run_cli("profile", "validate", "noncommercial", "--no-vllm")
+    assert proc.returncode == 0 and "--accept-license dflash2-cc-by-nc-nd-4.0" in proc.stdout

@@ -1,0 +1,136 @@
+"""Licence catalogue, acceptance records, and the serve gate: refusals, acceptance, persistence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glmctl import paths
+from glmctl.errors import ConfigError, LicenseError
+from glmctl.hub import licenses
+from glmctl.serving import license_gate, preflight, profiles, render
+
+NC = "dflash2-cc-by-nc-nd-4.0"
+SHAPLEY = "shapleymcg-1.0"
+
+
+def _launch(name: str, tmp_path, **paths_):
+    prof = render.with_paths(profiles.load(name), **paths_)
+    return render.render(prof, port=1)
+
+
+def test_catalogue_entries_and_lookup():
+    nc = licenses.get_license(NC)
+    assert not nc.commercial_use and nc.requires_acceptance and nc.url.startswith("https://creativecommons.org")
+    shapley = licenses.get_license("ShapleyMcg-License-1.0")  # by alias, any case
+    assert shapley.id == SHAPLEY and shapley.commercial_use
+    assert any("Brandon M. Music" in o for o in shapley.obligations)
+    with pytest.raises(ConfigError, match="unknown licence id"):
+        licenses.get_license("gpl-9")
+
+
+@pytest.mark.parametrize(
+    ("ident", "allowed"),
+    [("cc-by-nc-4.0", False), ("CC-BY-NC-SA-4.0", False), (NC, False), ("mit", True),
+     ("apache-2.0", True), (SHAPLEY, True), ("other", None), ("llama-community", None)],
+)
+def test_commercial_use_classification(ident, allowed):
+    assert licenses.commercial_use_allowed(ident) is allowed
+
+
+def test_store_records_and_a_changed_notice_needs_new_acceptance(tmp_path):
+    store = licenses.LicenseStore(tmp_path)
+    lic = licenses.get_license(NC)
+    assert store.accepted(lic) is None
+    rec = store.accept(lic, "flag", artifact="/models/d")
+    on_disk = json.loads((tmp_path / f"{NC}.json").read_text())
+    assert on_disk["license"] == NC and on_disk["text_sha256"] == lic.notice_sha256 and on_disk["via"] == "flag"
+    assert store.accepted(lic) == rec and store.records() == [rec]
+    changed = lic.model_copy(update={"notice": lic.notice + "\nA new clause."})
+    assert store.accepted(changed) is None
+    (tmp_path / f"{NC}.json").write_text("{not json")
+    assert store.accepted(lic) is None  # a broken record never counts
+
+
+def test_artifact_records_live_beside_fetchs_manifest(tmp_path):
+    lic = licenses.get_license(NC)
+    licenses.artifact_store(tmp_path).accept(lic, "flag")
+    assert (tmp_path / ".glmctl" / f"license-{NC}.json").is_file()
+    assert licenses.find_acceptance(lic, [tmp_path]) is not None
+    assert licenses.artifact_license_ids(tmp_path) == [NC]
+
+
+def test_model_card_licence_is_detected(tmp_path):
+    (tmp_path / "README.md").write_text("---\nlicense: cc-by-nc-4.0\ntags: [x]\n---\n# card\n")
+    assert licenses.artifact_license_ids(tmp_path) == ["cc-by-nc-4.0"]
+
+
+def test_noncommercial_refused_without_acceptance_names_the_flag(tmp_path):
+    with pytest.raises(LicenseError) as err:
+        preflight.run(_launch("noncommercial", tmp_path, model=tmp_path / "m", drafter=tmp_path / "d"))
+    assert f"--accept-license {NC}" in err.value.message
+    assert "DFlash2" in err.value.message and err.value.exit_code == 2
+    assert not paths.licenses().exists()  # nothing recorded by a refusal
+
+
+def test_acceptance_by_flag_is_recorded_and_remembered(tmp_path):
+    prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
+    gate = license_gate.evaluate(prof, accept=[NC, SHAPLEY])
+    assert gate.ok and set(gate.accepted) == {NC, SHAPLEY}
+    assert (paths.licenses() / f"{NC}.json").is_file()
+    again = license_gate.evaluate(prof)  # no flag the second time
+    assert again.ok and again.accepted[NC].via == "flag"
+
+
+def test_acceptance_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(licenses.ACCEPT_ENV, f"{NC}, {SHAPLEY}")
+    prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
+    gate = license_gate.evaluate(prof)
+    assert gate.ok and gate.accepted[NC].via == "env"
+
+
+def test_confirm_is_asked_only_for_what_is_missing(tmp_path):
+    asked = []
+    prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
+    gate = license_gate.evaluate(prof, accept=[SHAPLEY], confirm=lambda lic: asked.append(lic.id) or False)
+    assert asked == [NC] and [lic.id for lic in gate.missing] == [NC]
+    gate = license_gate.evaluate(prof, confirm=lambda lic: asked.append(lic.id) or True)
+    assert gate.ok and gate.accepted[NC].via == "prompt" and asked == [NC, NC]
+
+
+def test_commercial_refuses_a_noncommercial_drafter_whatever_else_is_set(tmp_path, monkeypatch):
+    root = paths.user_profiles()
+    root.mkdir(parents=True)
+    (root / "sneaky.yaml").write_text(
+        f"extends: commercial\nspeculative:\n  method: dflash2\n  tokens: 5\n  drafter:\n    licenses: [{NC}]\n"
+    )
+    licenses.user_store().accept(licenses.get_license(NC), "flag")  # even with a record
+    monkeypatch.setenv(licenses.ACCEPT_ENV, NC)  # and the environment
+    launch = _launch("sneaky", tmp_path, model=tmp_path / "m", drafter=tmp_path / "d")
+    with pytest.raises(LicenseError, match="forbids commercial use"):
+        preflight.run(launch, accept=[NC, SHAPLEY], confirm=lambda lic: True)
+
+
+def test_commercial_refuses_a_checkpoint_whose_card_is_noncommercial(tmp_path):
+    (tmp_path / "README.md").write_text("---\nlicense: cc-by-nc-sa-4.0\n---\n")
+    prof = render.with_paths(profiles.load("latency"), model=tmp_path)
+    gate = license_gate.evaluate(prof, accept=[SHAPLEY])
+    assert not gate.ok and "cc-by-nc-sa-4.0" in gate.refusals[0]
+
+
+def test_serve_without_a_terminal_exits_2_and_names_the_flag(run_cli, tmp_path):
+    proc = run_cli("serve", "--profile", "noncommercial", "--model", str(tmp_path), "--drafter", str(tmp_path),
+                   input="")  # stdin is a pipe: never prompt
+    assert proc.returncode == 2
+    assert f"--accept-license {NC}" in proc.stderr and "Type the licence id" not in proc.stdout + proc.stderr
+
+
+def test_fetch_and_serve_share_one_record(tmp_path):
+    from glmctl._cli.output import Mode, Output
+    from glmctl.hub.license_gate import require_license
+
+    require_license(NC, accept=[NC], artifact="dflash2", record_dir=tmp_path, out=Output(Mode.quiet))
+    prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path)
+    gate = license_gate.evaluate(prof, accept=[SHAPLEY])
+    assert NC in gate.accepted and not gate.missing

@@ -1,0 +1,158 @@
+"""Preflight: artifacts, port, GPUs; and `glmctl serve`'s errors and dry run, through the CLI.
+
+Everything here stops before vLLM would start (no vLLM import): the checks that need vLLM's
+parser or a real server are in tests/vllm/test_serve.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from glmctl.serving import preflight, profiles, render
+from glmctl.serving.artifacts import verify_checkpoint
+from glmctl.serving.gpus import Gpu
+
+
+def _checkpoint(root, shards: int = 2, index: bool = True):
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+    (root / "tokenizer.json").write_text("{}")
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"w{i}": np.ones((4, 4), dtype=np.float32)}, str(root / name))
+        weight_map[f"w{i}"] = name
+    if index:
+        (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return root
+
+
+def test_a_complete_checkpoint_passes(tmp_path):
+    rep = verify_checkpoint(_checkpoint(tmp_path / "c"))
+    assert rep.ok and rep.shards == 2 and rep.tensors == 2 and rep.bytes > 0
+
+
+def test_missing_directory_is_a_wrong_path_not_a_broken_file(tmp_path):
+    rep = verify_checkpoint(tmp_path / "nope")
+    assert rep.missing and "does not exist" in rep.problems[0]
+
+
+def test_shard_missing_from_the_index_and_truncated_shard_are_named(tmp_path):
+    root = _checkpoint(tmp_path / "c", shards=3)
+    (root / "model-00002-of-00003.safetensors").unlink()
+    shard = root / "model-00003-of-00003.safetensors"
+    os.truncate(shard, shard.stat().st_size - 8)
+    rep = verify_checkpoint(root)
+    assert not rep.ok and not rep.missing
+    text = " ".join(rep.problems)
+    assert "model-00002-of-00003.safetensors is listed in the index but missing" in text
+    assert "model-00003-of-00003.safetensors is unreadable" in text
+
+
+def test_no_tokenizer_is_a_problem_for_the_served_checkpoint_only(tmp_path):
+    root = _checkpoint(tmp_path / "c", shards=1, index=False)
+    (root / "tokenizer.json").unlink()
+    assert not verify_checkpoint(root).ok
+    assert verify_checkpoint(root, role="drafter", need_tokenizer=False).ok
+
+
+def test_port_problem_sees_a_listener():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert preflight.port_problem("127.0.0.1", port) == f"port {port} on 127.0.0.1 is already in use"
+    assert preflight.port_problem("127.0.0.1", port) is None
+
+
+def _l40(i: int, free: float = 44.5) -> Gpu:
+    return Gpu(i, "NVIDIA L40", (8, 9), 44.99, free)
+
+
+def test_gpus_meeting_the_commercial_profile():
+    failures, summary = preflight.gpu_findings(profiles.load("commercial"), [_l40(i) for i in range(8)])
+    assert failures == [] and summary.startswith("8 GPUs: NVIDIA L40, sm_89")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "expected"),
+    [
+        ([_l40(i) for i in range(4)], "needs 8 GPUs; 4 visible"),
+        ([Gpu(i, "Tesla V100", (7, 0), 31.7, 31.0) for i in range(8)], "compute capability >= 8.0"),
+        ([Gpu(i, "RTX A4000", (8, 6), 15.7, 15.5) for i in range(8)], "needs 44 GiB per GPU"),
+        ([_l40(0, free=10.0)] + [_l40(i) for i in range(1, 8)], "GPU 0 (10.0 of 45.0 GiB free)"),
+    ],
+)
+def test_gpus_short_of_the_profile(gpus, expected):
+    failures, summary = preflight.gpu_findings(profiles.load("commercial"), gpus)
+    assert summary is None and expected in failures[0].message and failures[0].hint
+
+
+def test_preflight_failures_are_listed_with_fixes_and_exit_codes(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        prof = render.with_paths(profiles.load("tiny-cpu"), model=tmp_path / "missing")
+        with pytest.raises(preflight.PreflightError) as err:
+            preflight.run(render.render(prof, port=port))
+    text = err.value.message
+    assert "checkpoint directory" in text and "does not exist" in text and "--model" in text
+    assert f"port {port} on 127.0.0.1 is already in use" in text and "--port" in text
+    assert err.value.exit_code == 2  # a wrong --model is the operator's to fix in the command
+
+
+def test_cli_port_in_use(run_cli, tmp_path):
+    ckpt = _checkpoint(tmp_path / "c")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = str(sock.getsockname()[1])
+        proc = run_cli("serve", "--profile", "tiny-cpu", "--model", str(ckpt), "--port", port)
+    assert proc.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr and "pass --port N" in proc.stderr
+
+
+def test_cli_missing_checkpoint(run_cli, tmp_path):
+    proc = run_cli("serve", "--profile", "tiny-cpu", "--model", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert f"checkpoint directory {tmp_path / 'nope'} does not exist" in proc.stderr
+
+
+def test_cli_invalid_profile(run_cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extends: tiny-cpu\nmax_num_seqs: -1\n")
+    proc = run_cli("serve", "--profile", str(bad), "--model", str(tmp_path))
+    assert proc.returncode == 2
+    assert "is not a valid serving profile" in proc.stderr and "max_num_seqs" in proc.stderr
+    proc = run_cli("serve", "--profile", "no-such-profile")
+    assert proc.returncode == 2 and "glmctl profile ls" in proc.stderr
+
+
+def test_cli_unknown_licence_id(run_cli, tmp_path):
+    proc = run_cli("serve", "--profile", "tiny-cpu", "--model", str(tmp_path), "--accept-license", "wtfpl-9")
+    assert proc.returncode == 2 and "no such licence id" in proc.stderr
+
+
+def test_cli_dry_run_prints_and_starts_nothing(run_cli, tmp_path):
+    home = tmp_path / "home"
+    env = {"GLMCTL_HOME": str(home), "GLMCTL_CACHE": str(tmp_path / "cache")}
+    proc = run_cli("serve", "--profile", "commercial", "--model", str(tmp_path / "ckpt"), "--port", "8123",
+                   "--dry-run", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["config"]["port"] == 8123 and data["config"]["speculative-config"]["method"] == "mtp"
+    assert data["env"]["NCCL_P2P_DISABLE"] == "1"
+    assert data["command"].endswith(f"--config {tmp_path / 'cache'}/serve/commercial-8123/vllm.yaml")
+    assert data["argv"][1:4] == ["-m", "glmctl.serving.vllm_entry", "serve"]
+    assert [lic["id"] for lic in data["licenses"]] == ["shapleymcg-1.0"]
+    assert not (tmp_path / "cache").exists() and not home.exists()  # nothing written, nothing accepted
+    human = run_cli("serve", "--profile", "tiny-cpu", "--model", str(tmp_path), "--dry-run", env=env)
+    assert "enable-prefix-caching: false" in human.stdout and "VLLM_CPU_KVCACHE_SPACE=1" in human.stdout

@@ -1,0 +1,128 @@
+"""`glmctl serve` and the profiles against real vLLM 0.30 (CPU): the shipped profiles pass vLLM's
+own parser, a rejected argument is a clear exit 2, and `glmctl serve --profile tiny-cpu` serves,
+answers, and stops on SIGTERM with nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from glmctl.serving import profiles, render, vllm_args
+from glmctl.serving import server as srv
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.vllm
+
+
+def test_tiny_server_answers_completions_and_metrics(tiny_server):
+    models = httpx.get(f"{tiny_server.api_url}/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [tiny_server.model]
+    resp = httpx.post(
+        f"{tiny_server.api_url}/completions",
+        json={"model": tiny_server.model, "prompt": "def main():", "max_tokens": 4, "logprobs": 1,
+              "temperature": 0},
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert len(choice["logprobs"]["tokens"]) == 4 and resp.json()["usage"]["completion_tokens"] == 4
+    metrics = httpx.get(f"{tiny_server.base_url}/metrics", timeout=30).text
+    generated = [ln for ln in metrics.splitlines() if ln.startswith("vllm:generation_tokens_total")]
+    assert generated and float(generated[0].rsplit(" ", 1)[1]) >= 4
+
+
+def test_shipped_profiles_pass_vllms_parser_and_problems_are_named(tmp_path):
+    from glmctl.serving.validation import with_placeholders
+
+    launches = [render.render(with_placeholders(profiles.load(s.name))) for s in profiles.summaries()]
+    bad = render.render(with_placeholders(profiles.load("tiny-cpu")))
+    bad.config = {**bad.config, "no-such-flag": 1, "disable-log-stats": False,
+                  "speculative-config": {"method": "mtp", "num_speculative_token": 3}}
+    *shipped, rejected = vllm_args.check_many([launch.config_yaml() for launch in [*launches, bad]])
+    for launch, check in zip(launches, shipped, strict=True):
+        assert check.ok, (launch.profile.name, check)
+        assert check.vllm_version.startswith("0.30.0") and check.platform == "cpu"
+        assert check.plugin_registered and check.plugin_error is None
+    assert rejected.problems == [
+        "'no-such-flag' is not a `vllm serve` option",
+        "'disable-log-stats: false' would be ignored by vLLM (the flag has no --no- form): remove it",
+        "speculative-config.num_speculative_token is not a SpeculativeConfig field",
+    ]
+
+
+def _profile_file(tmp_path, kind: str, extra: str = "") -> str:
+    served = "tiny-llama" if kind == "llama" else "tiny-glm"
+    path = tmp_path / f"tiny-{kind}.yaml"
+    path.write_text(f"extends: tiny-cpu\nmodel:\n  served_name: {served}\n{extra}")
+    return str(path)
+
+
+def test_serve_refuses_an_argument_vllm_rejects(run_cli, tmp_path, tiny_server_checkpoint):
+    kind, ckpt = tiny_server_checkpoint
+    profile = _profile_file(tmp_path, kind, "vllm_args:\n  max-logprobs: lots\n")
+    proc = run_cli("serve", "--profile", profile, "--model", str(ckpt), "--port", str(srv.free_port()),
+                   timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "vLLM rejects the rendered config: argument --max-logprobs: invalid int value: 'lots'" in proc.stderr
+    assert "fix vllm_args in profile" in proc.stderr
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_glmctl_serve_tiny_cpu_serves_and_stops_cleanly_on_sigterm(tiny_server_checkpoint, tmp_path):
+    kind, ckpt = tiny_server_checkpoint
+    profile = "tiny-cpu" if kind == "glm" else _profile_file(tmp_path, kind)
+    port = srv.free_port()
+    env = {**os.environ, "GLMCTL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glmctl", "serve", "--profile", profile, "--model", str(ckpt),
+         "--port", str(port), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
+    )
+    try:
+        text, ready = "", None
+        deadline = time.monotonic() + 900
+        while ready is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break  # glmctl exited before the server was ready
+            text += line
+            try:
+                ready = json.loads(text)
+            except ValueError:
+                continue
+        assert ready is not None, proc.stderr.read() if proc.poll() is not None else "no ready document"
+        assert ready["endpoint"] == f"http://127.0.0.1:{port}/v1"
+        assert ready["kv_cache_tokens"] > 0 and ready["kv_cache_source"].startswith("vLLM start-up log")
+        resp = httpx.post(f"{ready['endpoint']}/completions",
+                          json={"model": ready["model"], "prompt": "import os", "max_tokens": 2}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert "vllm:prompt_tokens_total" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        vllm_pgid = ready["pid"]  # vLLM runs in its own process group, led by this pid
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, err
+    assert "vLLM stopped (exit status 0)" in err
+    assert _group_gone(vllm_pgid), "vLLM processes outlived glmctl serve"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    run_dir = tmp_path / "cache" / "serve"
+    [rendered] = list(run_dir.iterdir())
+    assert {"vllm.yaml", "vllm.env", "command.sh", "vllm.log"} <= {p.name for p in rendered.iterdir()}
