@@ -191,7 +191,7 @@ def _gpus(launch: RenderedLaunch, report: PreflightReport) -> None:
 
 
 def _capacity(launch: RenderedLaunch, report: PreflightReport) -> None:
-    verdict = predict(launch)
+    verdict = predict(launch, report.gpus)
     report.capacity = verdict
     if not verdict.available:
         report.warnings.append(f"capacity not checked: {verdict.note}")

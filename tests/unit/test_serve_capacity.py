@@ -1,0 +1,70 @@
+"""The planner's verdict in preflight: the report's commercial stack fits 8 sessions on 8x L40; a
+profile that asks for more is refused with the numbers and the closest setting that fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glmctl import paths
+from glmctl.plan.presets import PRESETS
+from glmctl.serving import capacity, preflight, profiles, render
+from glmctl.serving.gpus import Gpu
+
+L40 = [Gpu(i, "NVIDIA L40", (8, 9), 44.4, 44.3) for i in range(8)]  # CUDA-visible 44.4 GiB
+
+
+@pytest.fixture
+def exl3_config(tmp_path):
+    """A checkpoint directory holding only the real model's config, marked as EXL3 4-bit experts."""
+    cfg = dict(PRESETS["glm-5.3-flash"], quantization_config={"quant_method": "exl3", "bits": 4})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def _launch(name: str, model):
+    return render.render(render.with_paths(profiles.load(name), model=model))
+
+
+def test_commercial_fits_eight_256k_sessions_on_8xL40(exl3_config):
+    verdict = capacity.predict(_launch("commercial", exl3_config), L40)
+    assert verdict.available and verdict.fits and verdict.sessions_fit == 8
+    assert verdict.kv_tokens >= 8 * 262_144  # the report measured 2,847,055 for this stack
+
+
+def test_asking_for_more_sessions_than_fit_names_the_closest_setting(exl3_config):
+    paths.user_profiles().mkdir(parents=True)
+    (paths.user_profiles() / "greedy.yaml").write_text("extends: commercial\nmax_num_seqs: 16\n")
+    launch = _launch("greedy", exl3_config)
+    verdict = capacity.predict(launch, L40)
+    assert verdict.available and not verdict.fits
+    assert 8 <= verdict.sessions_fit < 16
+    assert f"max_num_seqs {verdict.sessions_fit} at max_model_len 262,144" in verdict.closest
+    per_slot = int(verdict.closest.rsplit("max_model_len ", 1)[1].split()[0].replace(",", ""))
+    assert 16 * per_slot <= verdict.kv_tokens < 16 * (per_slot + 2048)
+    report = preflight.PreflightReport(profile="greedy")
+    report.gpus = L40
+    preflight._capacity(launch, report)
+    [finding] = report.failures
+    assert finding.usage and f"{verdict.kv_tokens:,} KV tokens" in finding.message
+    assert finding.hint == verdict.closest
+
+
+def test_too_few_gpus_for_one_request_says_so(exl3_config):
+    verdict = capacity.predict(_launch("commercial", exl3_config), [Gpu(i, "RTX 4090", (8, 9), 23.6, 23.5)
+                                                                    for i in range(8)])
+    assert verdict.available and not verdict.fits and verdict.kv_tokens == 0
+    assert "not even one request of 262,144 tokens" in verdict.note or "rejects" in verdict.note
+    assert verdict.closest
+
+
+def test_no_prediction_for_a_model_the_planner_does_not_know(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    verdict = capacity.predict(_launch("tiny-cpu", tmp_path))
+    assert not verdict.available and "cannot plan this checkpoint" in verdict.note
+
+
+def test_no_gpus_no_prediction(exl3_config):
+    verdict = capacity.predict(_launch("commercial", exl3_config), [])
+    assert not verdict.available and "no GPUs" in verdict.note
