@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from glmctl import paths
 from glmctl.errors import ConfigError
-from glmctl.serving.schema import Profile
+from glmctl.serving.schema import Profile, flag_key
 
 Origin = Literal["user", "shipped", "file"]
 
@@ -86,6 +86,14 @@ def _read(src: ProfileSource) -> dict[str, Any]:
             f"profile '{src.name}' ({src.path}) sets `name`",
             hint="a profile's name is its file name; remove the `name:` line",
         )
+    args = data.get("vllm_args")
+    if isinstance(args, dict):  # spelled as flags before merging, so a child's key replaces its parent's
+        normalised: dict[str, Any] = {}
+        for key, value in args.items():
+            if flag_key(str(key)) in normalised:
+                raise ConfigError(f"profile '{src.name}' ({src.path}): vllm_args '{key}' is given twice")
+            normalised[flag_key(str(key))] = value
+        data["vllm_args"] = normalised
     return data
 
 

@@ -81,13 +81,13 @@ def test_latency_is_fp8_without_speculation_and_fewer_slots(tmp_path):
     assert launch.config["max-num-seqs"] < 8
 
 
-def test_tiny_cpu_has_the_cpu_workarounds(tmp_path):
+def test_tiny_cpu_is_the_cpu_demo_setup(tmp_path):
     launch = _rendered("tiny-cpu", model=tmp_path)
     c = launch.config
-    assert launch.profile.platform == "cpu"
-    assert c["enable-prefix-caching"] is False and c["kernel-config"] == {"enable_jit_warmup": False}
-    assert c["block-size"] % (32 * 16) == 0  # 32 x the tiny checkpoint's index_kpool
-    assert "tensor-parallel-size" in c and not any(k.startswith("GLMCTL_COLL") for k in launch.env)
+    assert launch.profile.platform == "cpu" and launch.profile.usage == "commercial"
+    assert c["dtype"] == "bfloat16" and c["enforce-eager"] is True and c["max-model-len"] == 8192
+    assert launch.env == {"VLLM_CPU_KVCACHE_SPACE": "1"}  # no GPU collectives, no licences
+    assert launch.notices == []
 
 
 def test_a_profile_without_a_model_path_says_to_pass_model():
@@ -134,12 +134,13 @@ def test_vllm_arg_names_are_normalised_to_flag_spelling():
 
 
 def test_extends_merges_and_null_removes():
-    _user_profile("mine", "extends: tiny-cpu\ndescription: mine\nvllm_args:\n  block-size: null\n  max-logprobs: 3\n"
+    _user_profile("base", "extends: tiny-cpu\nvllm_args:\n  kernel-config:\n    enable_jit_warmup: false\n")
+    _user_profile("mine", "extends: base\ndescription: mine\nvllm_args:\n  enforce-eager: null\n  max-logprobs: 3\n"
                           "  kernel-config:\n    moe_backend: auto\n")
     prof = profiles.load("mine")
     shipped = profiles.load("tiny-cpu")
-    assert prof.extends == "tiny-cpu" and prof.description == "mine"
-    assert "block-size" not in prof.vllm_args and prof.vllm_args["max-logprobs"] == 3
+    assert prof.extends == "base" and prof.description == "mine"
+    assert "enforce-eager" not in prof.vllm_args and prof.vllm_args["max-logprobs"] == 3
     assert prof.vllm_args["kernel-config"] == {"enable_jit_warmup": False, "moe_backend": "auto"}
     assert prof.env == shipped.env and prof.max_model_len == shipped.max_model_len
 

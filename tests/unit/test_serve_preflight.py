@@ -155,4 +155,4 @@ def test_cli_dry_run_prints_and_starts_nothing(run_cli, tmp_path):
     assert [lic["id"] for lic in data["licenses"]] == ["shapleymcg-1.0"]
     assert not (tmp_path / "cache").exists() and not home.exists()  # nothing written, nothing accepted
     human = run_cli("serve", "--profile", "tiny-cpu", "--model", str(tmp_path), "--dry-run", env=env)
-    assert "enable-prefix-caching: false" in human.stdout and "VLLM_CPU_KVCACHE_SPACE=1" in human.stdout
+    assert "enforce-eager: true" in human.stdout and "VLLM_CPU_KVCACHE_SPACE=1" in human.stdout

@@ -21,7 +21,8 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.vllm
 
 
-def test_tiny_server_answers_completions_and_metrics(tiny_server):
+def test_tiny_server_answers_completions_and_metrics(tiny_served):
+    tiny_server = tiny_served
     models = httpx.get(f"{tiny_server.api_url}/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == [tiny_server.model]
     resp = httpx.post(
@@ -64,8 +65,8 @@ def _profile_file(tmp_path, kind: str, extra: str = "") -> str:
     return str(path)
 
 
-def test_serve_refuses_an_argument_vllm_rejects(run_cli, tmp_path, tiny_server_checkpoint):
-    kind, ckpt = tiny_server_checkpoint
+def test_serve_refuses_an_argument_vllm_rejects(run_cli, tmp_path, tiny_launch_target):
+    kind, ckpt = tiny_launch_target
     profile = _profile_file(tmp_path, kind, "vllm_args:\n  max-logprobs: lots\n")
     proc = run_cli("serve", "--profile", profile, "--model", str(ckpt), "--port", str(srv.free_port()),
                    timeout=300)
@@ -82,8 +83,8 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
-def test_glmctl_serve_tiny_cpu_serves_and_stops_cleanly_on_sigterm(tiny_server_checkpoint, tmp_path):
-    kind, ckpt = tiny_server_checkpoint
+def test_glmctl_serve_tiny_cpu_serves_and_stops_cleanly_on_sigterm(tiny_launch_target, tmp_path):
+    kind, ckpt = tiny_launch_target
     profile = "tiny-cpu" if kind == "glm" else _profile_file(tmp_path, kind)
     port = srv.free_port()
     env = {**os.environ, "GLMCTL_CACHE": str(tmp_path / "cache")}
