@@ -8,9 +8,14 @@ The eval and bench steps run against the tiny checkpoint served by vLLM (profile
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import json
 import shlex
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +58,52 @@ def run(title: str, argv: list[str]) -> int:
     return code
 
 
+@contextlib.contextmanager
+def serving(tiny: Path) -> Iterator[dict]:
+    """`glmctl serve --profile tiny-cpu` in the background, as a user would start it; its ready
+    document (endpoint, model, KV cache) while it runs; SIGTERM and a clean exit afterwards."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["serve", "--profile", "tiny-cpu", "--model", str(tiny), "--port", str(port), "--json"]
+    print(f"\n==> Serve the tiny checkpoint on vLLM CPU (profile tiny-cpu)\n$ glmctl {shlex.join(argv)} &", flush=True)
+    proc = subprocess.Popen([*GLMCTL, *argv], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        text, ready = "", None
+        for line in proc.stdout:  # the ready document is the only thing glmctl prints on stdout
+            text += line
+            try:
+                ready = json.loads(text)
+                break
+            except ValueError:
+                continue
+        if ready is None:
+            raise SystemExit(f"demo step failed: glmctl serve exited with code {proc.wait()} before it was ready")
+        yield ready
+    finally:
+        if proc.poll() is None:
+            print(f"\n==> Stop the server\n$ kill -TERM {proc.pid}", flush=True)
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait()
+    if code != 0:
+        raise SystemExit(f"demo step failed: glmctl serve exited with code {code}")
+    print("glmctl serve stopped cleanly (exit code 0)")
+
+
+def one_request(ready: dict) -> None:
+    import httpx
+
+    body = {"model": ready["model"], "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
+    print(f"\n==> One completion request\n$ curl {ready['endpoint']}/completions -d '{json.dumps(body)}'",
+          flush=True)
+    resp = httpx.post(f"{ready['endpoint']}/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    text = resp.json()["choices"][0]["text"]
+    print(f"{text!r}  (random weights: any text is right; the path from profile to plugin to API is the point)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", type=Path, required=True)
@@ -60,15 +111,13 @@ def main() -> int:
     for title, argv in steps(args.tiny):
         if code := run(title, argv):
             return code
-    try:
-        from glmctl.serving.server import start_server
-    except ImportError:
-        print("\n==> skipped: eval and bench against the tiny server (glmctl serve is not on this build yet)")
+    if importlib.util.find_spec("glmctl.plugin.activation") is None:
+        print("\n==> skipped: serving the tiny checkpoint (the plugin's CPU path is not on this build yet)")
         return 0
     out = args.tiny.parent / "demo"
-    print("\n==> Serving the tiny checkpoint (profile tiny-cpu) for the eval and bench steps", flush=True)
-    with start_server("tiny-cpu", model=args.tiny, port=None) as server:
-        for title, argv in live_steps(server.info.base_url, out):
+    with serving(args.tiny) as ready:
+        one_request(ready)
+        for title, argv in live_steps(ready["endpoint"].removesuffix("/v1"), out):
             if code := run(title, argv):
                 return code
     return 0

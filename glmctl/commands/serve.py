@@ -43,8 +43,10 @@ def serve(
 
     confirm = _terminal_confirm(out) if sys.stdin.isatty() and out.human else None
     out.note(f"preflight for profile '{profile}' ...")
+    held: list = []  # the server, once prepared: the log echo asks whether it is up and not stopping
     server = srv.prepare(profile, model=model, drafter=drafter, host=host, port=port, accept=accept,
-                         confirm=confirm, on_line=_error_echo(out))
+                         confirm=confirm, on_line=_error_echo(out, held))
+    held.append(server)
     for line in server.report.passed:
         out.note(f"  ok  {_escape(line)}")
     for line in server.report.warnings:
@@ -130,11 +132,12 @@ def _terminal_confirm(out):
     return confirm
 
 
-def _error_echo(out):
-    """After start-up, vLLM's errors reach the operator's terminal too (the full log is on disk)."""
+def _error_echo(out, held: list):
+    """While it serves, vLLM's errors reach the operator's terminal too (the full log is on disk)."""
 
     def on_line(line: str) -> None:
-        if " ERROR " in line or "Traceback" in line:
+        serving = held and held[0].info is not None and not held[0].stopping
+        if serving and (" ERROR " in line or "Traceback" in line):
             out.err.print(line, markup=False, highlight=False)
 
     return on_line

@@ -72,6 +72,8 @@ class Server:
         self.files: render.RenderedFiles | None = None
         self.process: VllmProcess | None = None
         self.info: ServerInfo | None = None
+        self.stopping = False
+        """Set once a stop was asked for: vLLM's shutdown logs errors that are not news."""
         self._on_line = on_line
 
     def start(
@@ -119,6 +121,7 @@ class Server:
 
     def stop(self, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> int | None:
         """Stop vLLM and every process it started; its exit status (None if never started)."""
+        self.stopping = True
         if self.process is None:
             return None
         return self.process.stop(sig, grace_s)
@@ -183,6 +186,7 @@ def run_foreground(
     received: list[int] = []
 
     def handler(signum: int, _frame: object) -> None:
+        server.stopping = True
         if received and server.process is not None:
             server.process.kill()
         received.append(signum)
