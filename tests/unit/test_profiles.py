@@ -48,9 +48,9 @@ def test_commercial_renders_the_reports_commercial_stack(tmp_path):
     }
     prof = launch.profile
     assert prof.usage == "commercial" and prof.model.weights == "exl3"
-    assert prof.model.licenses == ["shapleymcg-1.0"]
+    assert prof.model.licenses == ["shapleymcg-1.0", "glm-5.3-flash-model-license"]
     assert prof.hardware.gpus == 8 and prof.hardware.min_compute_capability == "8.0"
-    assert [lic.id for lic in launch.notices] == ["shapleymcg-1.0"]
+    assert [lic.id for lic in launch.notices] == ["shapleymcg-1.0", "glm-5.3-flash-model-license"]
     assert "ShapleyMcg (Brandon M. Music)" in launch.config_yaml()  # the notice is kept
     assert prof.advisories() == []
 

@@ -152,7 +152,7 @@ def test_cli_dry_run_prints_and_starts_nothing(run_cli, tmp_path):
     assert data["env"]["NCCL_P2P_DISABLE"] == "1"
     assert data["command"].endswith(f"--config {tmp_path / 'cache'}/serve/commercial-8123/vllm.yaml")
     assert data["argv"][1:4] == ["-m", "glmctl.serving.vllm_entry", "serve"]
-    assert [lic["id"] for lic in data["licenses"]] == ["shapleymcg-1.0"]
+    assert [lic["id"] for lic in data["licenses"]] == ["shapleymcg-1.0", "glm-5.3-flash-model-license"]
     assert not (tmp_path / "cache").exists() and not home.exists()  # nothing written, nothing accepted
     human = run_cli("serve", "--profile", "tiny-cpu", "--model", str(tmp_path), "--dry-run", env=env)
     assert "enforce-eager: true" in human.stdout and "VLLM_CPU_KVCACHE_SPACE=1" in human.stdout
