@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glmctl.errors import GlmctlError
+from glmctl.serving.plugin_switches import PLUGIN_ACTIVE
 
 # Start-up milestones in vLLM 0.30's log, in order, with the phase each one begins.
 _PHASES = [
@@ -105,6 +106,7 @@ class VllmProcess:
         # The supervisor's pid lets glmctl.serving.vllm_entry ask the kernel to stop vLLM if the
         # supervisor is killed outright.
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1", "GLMCTL_SUPERVISOR_PID": str(os.getpid())}
+        env.pop(PLUGIN_ACTIVE, None)
         self._started_at = time.monotonic()
         self._proc = subprocess.Popen(
             self.argv,

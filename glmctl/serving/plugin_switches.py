@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from glmctl.serving.schema import Profile
 
-PLUGIN = "GLMCTL_PLUGIN"  # auto (default) | off
+PLUGIN = "GLMCTL_PLUGIN"  # auto (default) | on | off   (glmctl.plugin.policy.ENV_MODE)
+# The plugin's own hand-over to the processes vLLM spawns (glmctl.plugin.policy.ENV_ACTIVE): never
+# inherited from whoever starts vLLM, or a server would activate for a model it was not shown.
+PLUGIN_ACTIVE = "GLMCTL_PLUGIN_ACTIVE"
 COLLECTIVES = "GLMCTL_COLLECTIVES"  # vllm (default) | host-staged
 COLLECTIVES_INT8 = "GLMCTL_COLLECTIVES_INT8"  # off (default) | prefill
 

@@ -93,3 +93,21 @@ def test_run_foreground_forwards_sigterm_and_returns_vllms_status(tmp_path, monk
     assert "shutting down on signal 15" in info.log_path.read_text()
     assert not srv.process.group_alive()
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+
+
+def test_plugin_switch_names_are_the_plugins_own():
+    from glmctl.plugin import policy
+    from glmctl.serving import plugin_switches
+
+    assert plugin_switches.PLUGIN == policy.ENV_MODE
+    assert plugin_switches.PLUGIN_ACTIVE == policy.ENV_ACTIVE
+
+
+def test_the_plugins_hand_over_variable_is_not_inherited(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLMCTL_PLUGIN_ACTIVE", "glm5_next")
+    out = tmp_path / "env.txt"
+    code = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('GLMCTL_PLUGIN_ACTIVE', 'unset'))"
+    proc = VllmProcess([sys.executable, "-c", code, str(out)], {"X": "1"}, tmp_path / "log")
+    proc.start()
+    assert proc.wait(timeout=60) == 0
+    assert out.read_text() == "unset"
