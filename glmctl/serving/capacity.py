@@ -56,9 +56,20 @@ def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None
         enforce_eager=bool(args.get("enforce-eager", False)),
         max_cudagraph_capture_size=prof.cuda_graph_max_tokens,
         enable_prefix_caching=args.get("enable-prefix-caching"),
-        block_size=args.get("block-size"),
+        block_size=args.get("block-size") or _plugin_block_size(launch, model),
         session_tokens=max_model_len or prof.max_model_len,
     )
+
+
+def _plugin_block_size(launch: RenderedLaunch, model) -> int | None:
+    """On vLLM CPU the plugin picks GLM-5.3-Flash's block size (from CPU_MLA's 16 up to the kpool
+    indexer's rule); plan with what it will pick. On CUDA vLLM's own rules apply (planner)."""
+    if launch.profile.platform != "cpu":
+        return None
+    from glmctl.plugin.policy import kpool_block_size
+
+    cpu_mla_block_size = 16
+    return kpool_block_size(cpu_mla_block_size, model.index_kpool, model.index_head_dim)
 
 
 def _node(launch: RenderedLaunch, gpus, plan):
