@@ -1,0 +1,242 @@
+"""Which algorithm, payload and copy engines one collective uses, and the byte layout it writes.
+
+Pure arithmetic (no torch): every rank computes the same plan from the same message size, which is
+what keeps the ranks' barrier sequences identical.
+
+Layouts, per call (all offsets in bytes, every region starts on a 256-byte boundary):
+
+- **data area** of the shared segment: `world` slots, slot j at `j * slot_stride`. A slot holds
+  rank j's whole message: the native elements, or INT8 records (below).
+- **result area** (two-shot only): chunk c of the reduced message at `c * result_stride`; laid out
+  exactly like the output, so the all-gather hop can copy contiguous runs straight into it.
+- **INT8 record** (one per chunk; one-shot and all-gather use one chunk, two-shot uses `world`):
+  `[chunk_elems x int8 | chunk_elems/group x fp32 scale | pad to 256]`. Element i of chunk c is
+  element `c * chunk_elems + i` of the flat message; elements past the message are zero, and so is
+  the scale of a group that holds none. Symmetric: `scale = amax / 127`, `q = round(x / scale)`
+  (half away from zero), `x' = q * scale`.
+
+The device keeps a mirror of the data and result areas (the "stage") with the same offsets, so a
+kernel reads peers' slots from host memory (SM path) or from the stage after a copy-engine copy
+(CE path) with the same arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+ALIGN = 256
+DEFAULT_GROUP = 128
+GROUPS_ALLOWED = (32, 64, 128, 256)
+DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
+DEFAULT_BAND_BYTES = 1024 * 1024
+SCALE_BYTES = 4
+
+Engine = Literal["ce", "sm"]
+Op = Literal["all_reduce", "all_gather"]
+Algorithm = Literal["one_shot", "two_shot", "gather"]
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class CopyEngines:
+    """Copy engine (`ce`, cuMemcpyAsync) or SM copies (`sm`, kernels that load/store mapped host
+    memory) for each direction, for messages up to `band_bytes` ("small") and above ("large")."""
+
+    d2h_small: Engine = "ce"
+    d2h_large: Engine = "ce"
+    h2d_small: Engine = "sm"
+    h2d_large: Engine = "ce"
+    band_bytes: int = DEFAULT_BAND_BYTES
+
+    @classmethod
+    def uniform(cls, engine: Engine) -> CopyEngines:
+        return cls(engine, engine, engine, engine)
+
+    def d2h(self, nbytes: int) -> Engine:
+        return self.d2h_small if nbytes <= self.band_bytes else self.d2h_large
+
+    def h2d(self, nbytes: int) -> Engine:
+        return self.h2d_small if nbytes <= self.band_bytes else self.h2d_large
+
+
+@dataclass(frozen=True)
+class Int8Layout:
+    group: int
+    chunks: int
+    chunk_elems: int  # elements per chunk record, a multiple of `group`
+    record_bytes: int  # stride between chunk records
+
+    @property
+    def groups_per_chunk(self) -> int:
+        return self.chunk_elems // self.group
+
+    @property
+    def scales_offset(self) -> int:
+        """Byte offset of the fp32 scales inside a record."""
+        return self.chunk_elems
+
+    @property
+    def total_bytes(self) -> int:
+        return self.chunks * self.record_bytes
+
+
+def int8_layout(numel: int, chunks: int, group: int = DEFAULT_GROUP) -> Int8Layout:
+    if group not in GROUPS_ALLOWED:
+        raise ValueError(f"INT8 group size must be one of {GROUPS_ALLOWED}, not {group}")
+    per_chunk = cdiv(max(numel, 1), chunks)
+    chunk_elems = max(group, align_up(per_chunk, group))
+    record = align_up(chunk_elems + SCALE_BYTES * (chunk_elems // group))
+    return Int8Layout(group=group, chunks=chunks, chunk_elems=chunk_elems, record_bytes=record)
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    op: Op
+    algorithm: Algorithm
+    int8: bool
+    world: int
+    numel: int  # elements of one rank's input
+    elem_bytes: int
+    slot_stride: int  # bytes between rank slots in the data area
+    chunk_elems: int  # two-shot: elements per chunk; otherwise numel
+    result_stride: int  # two-shot: bytes between chunks in the result area; otherwise 0
+    layout: Int8Layout | None
+    d2h: Engine
+    h2d: Engine
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.elem_bytes
+
+    @property
+    def barriers(self) -> int:
+        return 3 if self.algorithm == "two_shot" else 2
+
+    @property
+    def result_bytes(self) -> int:
+        return self.world * self.result_stride if self.algorithm == "two_shot" else 0
+
+    def chunk_span(self, c: int) -> tuple[int, int]:
+        """First element and element count of chunk c of the output (the count may be 0)."""
+        lo = c * self.chunk_elems
+        return lo, max(0, min(self.chunk_elems, self.numel - lo))
+
+    def bytes_moved(self) -> tuple[int, int]:
+        """(device-to-host, host-to-device) bytes one rank moves over its link in this call."""
+        n = self.world
+        if self.layout is not None:
+            rec = self.layout.record_bytes
+            if self.algorithm == "two_shot":
+                return n * rec + rec, 2 * (n - 1) * rec
+            return rec, (n - 1) * rec
+        if self.algorithm == "two_shot":
+            own = self.chunk_span(0)[1] * self.elem_bytes
+            return self.nbytes + own, (n - 1) * own + (self.nbytes - own)
+        return self.nbytes, (n - 1) * self.nbytes
+
+    def key(self) -> tuple:
+        """What must match across ranks for their barrier sequences to line up."""
+        return (self.op, self.algorithm, self.int8, self.numel, self.elem_bytes)
+
+
+def plan_all_reduce(
+    numel: int,
+    elem_bytes: int,
+    world: int,
+    *,
+    int8: bool = False,
+    group: int = DEFAULT_GROUP,
+    one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
+    engines: CopyEngines = CopyEngines(),
+) -> CollectivePlan:
+    """One-shot (every rank reads every slot and reduces all of it) while the message is small or
+    there are only two ranks (two-shot moves the same bytes then, with one more barrier); above
+    that, reduce-scatter + all-gather, which reads 2(n-1)/n of the message instead of n-1."""
+    nbytes = numel * elem_bytes
+    two_shot = world > 2 and nbytes > one_shot_max_bytes
+    chunks = world if two_shot else 1
+    if int8:
+        layout = int8_layout(numel, chunks, group)
+        slot = align_up(layout.total_bytes)
+        chunk = layout.chunk_elems if two_shot else numel
+        result = layout.record_bytes if two_shot else 0
+    else:
+        layout = None
+        slot = align_up(nbytes)
+        # chunks of a multiple of 128 elements keep every chunk 256-byte aligned
+        chunk = align_up(cdiv(numel, world), 128) if two_shot else numel
+        result = chunk * elem_bytes if two_shot else 0
+    payload = layout.total_bytes if layout else nbytes
+    return CollectivePlan(
+        op="all_reduce",
+        algorithm="two_shot" if two_shot else "one_shot",
+        int8=int8,
+        world=world,
+        numel=numel,
+        elem_bytes=elem_bytes,
+        slot_stride=slot,
+        chunk_elems=chunk,
+        result_stride=result,
+        layout=layout,
+        d2h=engines.d2h(payload),
+        h2d=engines.h2d(payload * (world - 1)),
+    )
+
+
+def plan_all_gather(
+    numel: int,
+    elem_bytes: int,
+    world: int,
+    *,
+    int8: bool = False,
+    group: int = DEFAULT_GROUP,
+    engines: CopyEngines = CopyEngines(),
+) -> CollectivePlan:
+    layout = int8_layout(numel, 1, group) if int8 else None
+    payload = layout.total_bytes if layout else numel * elem_bytes
+    return CollectivePlan(
+        op="all_gather",
+        algorithm="gather",
+        int8=int8,
+        world=world,
+        numel=numel,
+        elem_bytes=elem_bytes,
+        slot_stride=align_up(payload),
+        chunk_elems=numel,
+        result_stride=0,
+        layout=layout,
+        d2h=engines.d2h(payload),
+        h2d=engines.h2d(payload * (world - 1)),
+    )
+
+
+def slot_capacity(max_bytes: int, world: int, group: int = DEFAULT_GROUP) -> int:
+    """Bytes per rank slot (and for the result area) that fit every plan of a message of up to
+    `max_bytes`: native payloads are the message itself; INT8 records of 2-byte elements are about
+    half of it plus padding of at most one group and 256 bytes per chunk."""
+    pad = world * (2 * ALIGN + 4 * group + 2 * SCALE_BYTES)
+    return align_up(max_bytes + pad, 4096)
+
+
+def fits(plan: CollectivePlan, capacity: int) -> bool:
+    return plan.slot_stride <= capacity and plan.result_bytes <= capacity
+
+
+def with_engines(plan: CollectivePlan, d2h: Engine, h2d: Engine) -> CollectivePlan:
+    return replace(plan, d2h=d2h, h2d=h2d)
+
+
+def use_int8(nbytes: int, requested: bool | None, min_bytes: int | None) -> bool:
+    """The payload rule: an explicit request wins; otherwise INT8 only at or above the threshold
+    (prefill-size messages), and never when no threshold is configured."""
+    if requested is not None:
+        return requested
+    return min_bytes is not None and nbytes >= min_bytes
