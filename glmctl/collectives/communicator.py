@@ -52,6 +52,7 @@ from glmctl.collectives.plan import (
     slot_capacity,
     use_int8,
 )
+from glmctl.collectives.protocol import barrier_memops
 from glmctl.collectives.segment import (
     BARRIERS,
     R_CAPTURE_COUNT,
@@ -283,14 +284,10 @@ class HostStagedCommunicator:
         self._drv.run_memops(stream, ops, arr)
 
     def _barrier_ops(self, b: int):
-        seg, me, h = self._seg, self.rank, self._hbase
-        peers = [j for j in range(self.world_size) if j != me]
-        status = h + seg.status_offset(me)
-        ops = [MemOp("write", h + seg.flag_offset(b, me, j), 1) for j in peers]
-        ops.append(MemOp("write", status, 2 * b + 1))
-        ops += [MemOp("wait", h + seg.flag_offset(b, j, me), 1) for j in peers]
-        ops += [MemOp("write", h + seg.flag_offset(b, j, me), 0) for j in peers]
-        ops.append(MemOp("write", status, 2 * b + 2))
+        seg, h = self._seg, self._hbase
+        ops = barrier_memops(self.rank, self.world_size, b,
+                             lambda bb, src, dst: h + seg.flag_offset(bb, src, dst),
+                             h + seg.status_offset(self.rank))
         return ops, memop_array(ops)
 
     def _selftest_memops(self) -> None:

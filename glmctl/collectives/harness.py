@@ -28,6 +28,10 @@ class RankResult:
 
 
 def _rank_main(target, rank, world, session, args, results) -> None:
+    if after := float(os.environ.get("GLMCTL_HARNESS_TRACEBACK_S", "0")):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(after, exit=False)  # where a hung rank is, on stderr
     try:
         value = target(rank, world, session, *args)
         results.put((rank, True, value, None))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from glmctl.collectives.errors import CollectiveError, PeerLostError
+from glmctl.collectives.protocol import waiting_barrier
 from glmctl.collectives.segment import (
     BARRIERS,
     R_PID,
@@ -60,11 +61,6 @@ class Verdict:
     culprit: int
     reason: int
     message: str
-
-
-def waiting_barrier(status: int) -> int | None:
-    """The barrier a status word says the stream waits at, or None between barriers."""
-    return (status - 1) // 2 if status % 2 == 1 else None
 
 
 def diagnose(snap: Snapshot, unchanged_s: float, timeout_s: float) -> Verdict | None:

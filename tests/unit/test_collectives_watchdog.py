@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from glmctl.collectives.protocol import waiting_barrier
 from glmctl.collectives.segment import R_PID, SharedSegment
 from glmctl.collectives.watchdog import (
     REASON_CLOSED,
@@ -18,7 +19,6 @@ from glmctl.collectives.watchdog import (
     StallClock,
     Watchdog,
     diagnose,
-    waiting_barrier,
 )
 
 

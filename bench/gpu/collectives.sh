@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The collectives' gpu lane and benchmark in one go (one device call). Run from the repository root
+# on a CUDA machine:  OUT=/some/dir bash bench/gpu/collectives.sh
+# Stages run under their own time limits and the script carries on after a failure, so one call
+# always brings back every log; the short table comes last.
+set -u
+OUT=${OUT:-out/gpu-collectives}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+export PYTHONUNBUFFERED=1 GLMCTL_CACHE="$OUT/cache" GLMCTL_HARNESS_TRACEBACK_S=${GLMCTL_HARNESS_TRACEBACK_S:-100}
+PY=${PY:-python3}
+TEST_S=${COLL_TEST_S:-150}
+BENCH_S=${COLL_BENCH_S:-110}
+BENCH_MB=${COLL_BENCH_MAX_MB:-256}
+stage() { echo; echo "=== $1 ($(date +%T))"; }
+{
+  stage probe
+  nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+  df -h /dev/shm; nproc; ulimit -l
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  stage smoke
+  timeout 80 $PY bench/gpu/collectives_smoke.py; echo "smoke rc=$?"
+  stage "gpu tests"
+  timeout "$TEST_S" $PY -m pytest -q -rA -m gpu -p no:cacheprovider --timeout "$TEST_S" \
+    tests/gpu/test_collectives_faults.py tests/gpu/test_collectives_graphs.py \
+    tests/gpu/test_collectives_correctness.py -s 2>&1 | tail -n 60
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  stage bench
+  timeout "$BENCH_S" $PY bench/collectives.py --max-mb "$BENCH_MB" --out "$OUT"
+  echo "bench rc=$?"
+  cp "$OUT"/cache/calibration/collectives-*.json "$OUT/" 2>/dev/null
+  rm -rf "$OUT/cache"
+  ls /dev/shm | grep glmctl-coll && echo "LEFTOVER SEGMENTS" || echo "no leftover segments"
+} 2>&1 | tee "$LOG"

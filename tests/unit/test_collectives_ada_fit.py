@@ -1,0 +1,67 @@
+"""Every collectives kernel compiles for Ada (sm_89) and needs far less than its 99 KB of shared
+memory per block (cross-compiled on CPU, in a subprocess so TRITON_INTERPRET cannot leak in)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytest.importorskip("triton")
+
+PROBE = r"""
+import json
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from glmctl.collectives import kernels as k
+
+P = "*i32"
+TICK = {"tick_dev": P, "tick_host": P}
+cases = {
+    "reduce": (k._reduce_kernel, {"peer": "*bf16", "own": "*bf16", "out": "*bf16", "out2": "*bf16",
+               "numel": "i32", "slot_stride": "i32", "rank": "i32", "world": "i32", **TICK},
+               {"WRITE2": True, "TICK": True, "BLOCK": k.REDUCE_BLOCK}, 8),
+    "copy": (k._copy_records_kernel, {"src": "*fp16", "dst": "*fp16", "n_valid": "i32",
+             "total": "i32", "src_stride": "i32", "dst_stride": "i32", "skip": "i32", "rec0": "i32",
+             **TICK}, {"TICK": True, "BLOCK": k.COPY_BLOCK}, 8),
+    "quantize": (k._quantize_kernel, {"x": "*fp32", "numel": "i32", "rec8": "*i8", "rec32": "*fp32",
+                 "dup8": "*i8", "dup32": "*fp32", "chunk_elems": "i32", "rec_stride": "i32",
+                 "n_groups": "i32", **TICK},
+                 {"DUAL": True, "TICK": True, "G": 128, "GPP": k.GROUPS_PER_PROGRAM}, 4),
+    "dequant_reduce": (k._dequant_reduce_kernel, {"peer8": "*i8", "peer32": "*fp32", "own8": "*i8",
+                       "own32": "*fp32", "out": "*bf16", "res8": "*i8", "res32": "*fp32",
+                       "dup8": "*i8", "dup32": "*fp32", "n_valid": "i32", "chunk_elems": "i32",
+                       "slot_stride": "i32", "chunk_off": "i32", "rank": "i32", "world": "i32",
+                       **TICK}, {"REQUANT": True, "DUAL": True, "TICK": True, "G": 256,
+                       "GPP": k.GROUPS_PER_PROGRAM}, 4),
+    "dequant_records": (k._dequant_records_kernel, {"src8": "*i8", "src32": "*fp32", "out": "*fp16",
+                        "n_valid": "i32", "total": "i32", "rec_stride": "i32", "out_stride": "i32",
+                        "chunk_elems": "i32", "skip": "i32", "rec0": "i32", **TICK},
+                        {"TICK": True, "G": 128, "GPP": k.GROUPS_PER_PROGRAM}, 4),
+    "progress": (k._progress_kernel, dict(TICK), {}, 4),
+}
+out = {}
+for name, (fn, sig, const, warps) in cases.items():
+    sig = {**sig, **{c: "constexpr" for c in const}}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                       target=GPUTarget("cuda", 89, 32), options={"num_warps": warps})
+    out[name] = c.metadata.shared
+print("@@" + json.dumps(out))
+"""
+
+
+def test_kernels_fit_ada():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shared = json.loads(proc.stdout.split("@@", 1)[1])
+    assert set(shared) == {"reduce", "copy", "quantize", "dequant_reduce", "dequant_records", "progress"}
+    assert max(shared.values()) <= 16 * 1024, shared  # Ada allows 99 KB; these are reductions only

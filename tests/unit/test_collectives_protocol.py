@@ -1,0 +1,106 @@
+"""The barrier protocol, model-checked: ranks run the real barrier operations (`barrier_memops`)
+around modelled payload writes and reads, under random schedules in which every rank's writes reach
+memory late but in order (posted writes behind a fence). No schedule may deadlock, read a payload of
+the wrong call, or overwrite a payload before every peer has read it. The same model shows why one
+barrier per call is not enough."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from glmctl.collectives.protocol import barrier_memops
+
+
+class BrokenProtocol(AssertionError):
+    pass
+
+
+def _programs(world: int, calls: list[int]):
+    """Per rank, the op list of `calls` (each the number of barriers: 2 or 3). Flags are named
+    ("f", b, src, dst); payload slots ("slot", j) and reduced chunks ("res", j) hold a call number."""
+    progs = []
+    for r in range(world):
+        ops = []
+        for k, barriers in enumerate(calls):
+            def bar(b, r=r):
+                return [(op.kind, op.address, op.value) for op in barrier_memops(
+                    r, world, b, lambda bb, s, d: ("f", bb, s, d), ("status", r))]
+
+            ops += bar(0)
+            ops.append(("write", ("slot", r), k))
+            if barriers >= 2:
+                ops += bar(1)
+                ops += [("check", ("slot", j), k) for j in range(world) if j != r]
+            if barriers == 3:
+                ops.append(("write", ("res", r), k))
+                ops += bar(2)
+                ops += [("check", ("res", j), k) for j in range(world) if j != r]
+        progs.append(ops)
+    return progs
+
+
+def _run(world: int, calls: list[int], seed: int, programs=_programs) -> None:
+    rng = random.Random(seed)
+    mem: dict = {}
+    progs = programs(world, calls)
+    pc = [0] * world
+    fifo = [deque() for _ in range(world)]  # each rank's writes in flight, delivered in order
+    while any(pc[r] < len(progs[r]) for r in range(world)) or any(fifo):
+        moves = []
+        for r in range(world):
+            if fifo[r]:
+                moves.append(("drain", r))
+            if pc[r] < len(progs[r]):
+                kind, addr, value = progs[r][pc[r]]
+                if kind != "wait" or mem.get(addr, 0) == value:
+                    moves.append(("step", r))
+        if not moves:
+            stuck = [progs[r][pc[r]] if pc[r] < len(progs[r]) else None for r in range(world)]
+            raise BrokenProtocol(f"deadlock at {stuck}")
+        what, r = rng.choice(moves)
+        if what == "drain":
+            addr, value = fifo[r].popleft()
+            mem[addr] = value
+            continue
+        kind, addr, value = progs[r][pc[r]]
+        pc[r] += 1
+        if kind == "write":
+            fifo[r].append((addr, value))
+        elif kind == "check" and mem.get(addr) != value:
+            raise BrokenProtocol(f"rank {r} read {addr}={mem.get(addr)}, wanted call {value}")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_no_schedule_breaks_the_protocol(world):
+    rng = random.Random(world)
+    for seed in range(300):
+        calls = [rng.choice((2, 3)) for _ in range(6)]
+        _run(world, calls, seed)
+
+
+def test_one_barrier_per_call_would_be_unsafe():
+    """With only B0 (no 'payloads in' barrier) a reader can see the previous call's payload."""
+    world = 2
+
+    def one_barrier_programs(world, calls):
+        progs = []
+        for r in range(world):
+            ops = []
+            for k in range(len(calls)):
+                ops.append(("write", ("slot", r), k))
+                ops += [(op.kind, op.address, op.value) for op in barrier_memops(
+                    r, world, 0, lambda bb, s, d: ("f", bb, s, d), ("status", r))]
+                ops += [("check", ("slot", j), k) for j in range(world) if j != r]
+            progs.append(ops)
+        return progs
+
+    failures = 0
+    for seed in range(300):
+        try:
+            _run(world, [1] * 5, seed, programs=one_barrier_programs)
+        except BrokenProtocol:
+            failures += 1
+    assert failures > 0
