@@ -5,27 +5,45 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
 
+from tests.conftest import REPO
+
 torch = pytest.importorskip("torch")
 
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    if "glmctl.collectives.kernels" in sys.modules:
-        kernels = importlib.reload(sys.modules["glmctl.collectives.kernels"])
-    else:
-        from glmctl.collectives import kernels
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+# The interpreter must be chosen before triton is first imported (triton.language's own @jit helpers
+# are built at that import). If something imported triton earlier in this process, these tests are
+# skipped here and the whole file re-runs in a fresh interpreter process instead.
+_PRELOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not _PRELOADED:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        if "glmctl.collectives.kernels" in sys.modules:
+            kernels = importlib.reload(sys.modules["glmctl.collectives.kernels"])
+        else:
+            from glmctl.collectives import kernels
+    finally:
+        if _saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
 
 from glmctl.collectives.codec import dequantize_int8_ref, quantize_int8_ref  # noqa: E402
 from glmctl.collectives.plan import int8_layout  # noqa: E402
+
+interpreted = pytest.mark.skipif(_PRELOADED, reason="triton was imported before: test_fresh_process")
+
+
+@pytest.mark.skipif(not _PRELOADED, reason="ran in this process")
+def test_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:]
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +62,7 @@ def _q_and_scales(rec: torch.Tensor, layout):
     return q, s.contiguous().view(torch.float32)
 
 
+@interpreted
 @pytest.mark.parametrize("numel,chunks,group", [(1, 1, 128), (300, 1, 32), (1000, 4, 128), (515, 3, 64)])
 def test_quantize_kernel_matches_reference(numel, chunks, group):
     g = torch.Generator().manual_seed(numel)
@@ -63,6 +82,7 @@ def test_quantize_kernel_matches_reference(numel, chunks, group):
     assert torch.equal(qk, _q_and_scales(dup, layout)[0])
 
 
+@interpreted
 def test_reduce_kernel_is_the_rank_ordered_fp32_sum():
     world, numel, rank = 3, 5000, 1
     g = torch.Generator().manual_seed(0)
@@ -89,6 +109,7 @@ def test_reduce_kernel_is_the_rank_ordered_fp32_sum():
     torch.testing.assert_close(out_bf16.float(), acc, rtol=2**-7, atol=0)
 
 
+@interpreted
 def test_dequant_reduce_one_shot_and_requant():
     world, numel, group = 3, 700, 128
     g = torch.Generator().manual_seed(1)
@@ -120,6 +141,7 @@ def test_dequant_reduce_one_shot_and_requant():
     assert (out2 - want).abs().max() <= want.abs().max() / 127
 
 
+@interpreted
 def test_dequant_records_skip_and_offsets():
     numel, group, n = 260, 128, 3
     layout = int8_layout(numel, 1, group)
@@ -141,6 +163,7 @@ def test_dequant_records_skip_and_offsets():
             assert torch.equal(got, dequantize_int8_ref(rec, layout, numel))
 
 
+@interpreted
 def test_copy_records_strided_with_skip():
     src = torch.arange(3 * 10, dtype=torch.float16)
     dst = torch.full((3 * 7,), -1.0, dtype=torch.float16)
