@@ -9,24 +9,35 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1 GLMCTL_CACHE="$OUT/cache" GLMCTL_HARNESS_TRACEBACK_S=${GLMCTL_HARNESS_TRACEBACK_S:-100}
 PY=${PY:-python3}
+SMOKE_S=${COLL_SMOKE_S:-60}
 TEST_S=${COLL_TEST_S:-150}
 BENCH_S=${COLL_BENCH_S:-110}
 BENCH_MB=${COLL_BENCH_MAX_MB:-256}
 stage() { echo; echo "=== $1 ($(date +%T))"; }
+# run "$@" in its own process group and kill the whole group (spawned ranks included) after $1 s
+limit() {
+  local t=$1; shift
+  setsid "$@" & local pid=$!
+  ( sleep "$t"; kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null ) &
+  local watcher=$!
+  wait "$pid"; local rc=$?
+  kill "$watcher" 2>/dev/null
+  return $rc
+}
 {
   stage probe
   nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
   df -h /dev/shm; nproc; ulimit -l
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   stage smoke
-  timeout 80 $PY bench/gpu/collectives_smoke.py; echo "smoke rc=$?"
+  limit "$SMOKE_S" $PY bench/gpu/collectives_smoke.py; echo "smoke rc=$?"
   stage "gpu tests"
-  timeout "$TEST_S" $PY -m pytest -q -rA -m gpu -p no:cacheprovider --timeout "$TEST_S" \
+  limit "$TEST_S" $PY -m pytest -q -rA -m gpu -p no:cacheprovider --timeout "$TEST_S" -s \
     tests/gpu/test_collectives_faults.py tests/gpu/test_collectives_graphs.py \
-    tests/gpu/test_collectives_correctness.py -s 2>&1 | tail -n 60
-  echo "gpu tests rc=${PIPESTATUS[0]}"
+    tests/gpu/test_collectives_correctness.py > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -n 80 "$OUT/gpu-tests.log"
   stage bench
-  timeout "$BENCH_S" $PY bench/collectives.py --max-mb "$BENCH_MB" --out "$OUT"
+  limit "$BENCH_S" $PY bench/collectives.py --max-mb "$BENCH_MB" --out "$OUT"
   echo "bench rc=$?"
   cp "$OUT"/cache/calibration/collectives-*.json "$OUT/" 2>/dev/null
   rm -rf "$OUT/cache"

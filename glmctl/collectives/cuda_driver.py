@@ -55,14 +55,14 @@ class MemOp:
 
 def memop_array(ops: list[MemOp]) -> ctypes.Array:
     arr = (BatchMemOp * len(ops))()
-    for slot, op in zip(arr, ops, strict=True):
+    for i, op in enumerate(ops):
         if op.kind == "wait":
-            slot.operation, slot.flags = CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_WAIT_VALUE_EQ
+            kind, flags = CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_WAIT_VALUE_EQ
         elif op.kind == "write":
-            slot.operation, slot.flags = CU_STREAM_MEM_OP_WRITE_VALUE_32, CU_STREAM_WRITE_VALUE_DEFAULT
+            kind, flags = CU_STREAM_MEM_OP_WRITE_VALUE_32, CU_STREAM_WRITE_VALUE_DEFAULT
         else:
             raise ValueError(op.kind)
-        slot.address, slot.value, slot.alias = op.address, op.value, 0
+        arr[i] = BatchMemOp(operation=kind, address=op.address, value=op.value, flags=flags, alias=0)
     return arr
 
 

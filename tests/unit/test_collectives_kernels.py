@@ -3,34 +3,18 @@ plain torch sums, at small shapes (the gpu lane runs them at real sizes on real 
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.unit import collectives_interp
 
 torch = pytest.importorskip("torch")
 
 # The interpreter must be chosen before triton is first imported (triton.language's own @jit helpers
 # are built at that import). If something imported triton earlier in this process, these tests are
 # skipped here and the whole file re-runs in a fresh interpreter process instead.
-_PRELOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not _PRELOADED:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if "glmctl.collectives.kernels" in sys.modules:
-            kernels = importlib.reload(sys.modules["glmctl.collectives.kernels"])
-        else:
-            from glmctl.collectives import kernels
-    finally:
-        if _saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+_MODULES = collectives_interp.load()
+_PRELOADED = _MODULES is None
+kernels, datapath = _MODULES or (None, None)
 
 from glmctl.collectives.codec import dequantize_int8_ref, quantize_int8_ref  # noqa: E402
 from glmctl.collectives.plan import int8_layout  # noqa: E402
@@ -40,10 +24,7 @@ interpreted = pytest.mark.skipif(_PRELOADED, reason="triton was imported before:
 
 @pytest.mark.skipif(not _PRELOADED, reason="ran in this process")
 def test_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    collectives_interp.rerun_fresh(__file__)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,55 @@
+"""Import the collectives' kernel modules under the Triton interpreter for the CPU unit lane.
+
+The interpreter is chosen when triton is first imported (triton.language's own @jit helpers are
+built then), so this works only if triton is not yet imported, or was imported interpreted. If not,
+`load()` returns None and the test module re-runs itself in a fresh process (`rerun_fresh`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+NAMES = ("glmctl.collectives.kernels", "glmctl.collectives.datapath")
+
+
+def _triton_interpreted() -> bool:
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.max, InterpretedFunction)
+
+
+def load():
+    """(kernels, datapath) built for the interpreter, or None when that is impossible here."""
+    if "triton" in sys.modules and not _triton_interpreted():
+        return None
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mods = []
+        for name in NAMES:
+            mod = sys.modules.get(name)
+            if mod is None:
+                mod = importlib.import_module(name)
+            elif type(getattr(mod, "_reduce_kernel", None)).__name__ == "JITFunction" or name.endswith(
+                    "datapath"):
+                mod = importlib.reload(mod)
+            mods.append(mod)
+        return tuple(mods)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def rerun_fresh(path: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:]
