@@ -33,31 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from glmctl.collectives.probe import VARIANTS, graph_time_us, time_collectives  # noqa: E402
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
-VARIANTS = [("all_reduce", False), ("all_reduce", True), ("all_gather", False), ("all_gather", True)]
 LATENCY_LIMIT_US, LINK_UTIL_TARGET, INT8_SPEEDUP_TARGET = 25.0, 0.8, 1.7
-
-
-def _graph_time_us(op, calls: int, replays: int) -> float:
-    import torch
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            op()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def ceiling(nbytes: int) -> dict:
@@ -100,7 +80,7 @@ def ceiling(nbytes: int) -> dict:
 
         res = {}
         for name, op in (("d2h", d2h), ("h2d", h2d), ("bidir", both)):
-            us = _graph_time_us(op, 3, 5)
+            us = graph_time_us(op, 3, 5)
             res[name] = nbytes / (us * 1e-6) / 1e9
         res["bidir_each"] = res.pop("bidir")
         res["bytes"] = nbytes
@@ -111,52 +91,6 @@ def ceiling(nbytes: int) -> dict:
         drv.host_unregister(host)
         del anchor
         mm.close()
-
-
-def bench_rank(rank: int, world: int, session: str, sizes: list[int]) -> list[dict]:
-    import torch
-
-    torch.cuda.set_device(0)
-    from glmctl.collectives import HostStagedCommunicator
-
-    comm = HostStagedCommunicator(rank, world, session, max(sizes), timeout_s=60)
-    rows = []
-    try:
-        for op, int8 in VARIANTS:
-            for size in sizes:
-                per_rank = size if op == "all_reduce" else size // world
-                numel = per_rank // 2
-                g = torch.Generator(device="cuda")
-                g.manual_seed(rank * 7919 + size)
-                x = torch.randn(numel, generator=g, device="cuda").to(torch.bfloat16)
-                out = torch.empty_like(x)
-                if op == "all_reduce":
-                    def call(x=x, out=out, int8=int8):
-                        comm.all_reduce(x, out=out, int8=int8)
-                else:
-                    def call(x=x, int8=int8):
-                        comm.all_gather(x, 0, int8=int8)
-                plan = comm.plan(op, x, int8)
-                calls, replays = (20, 5) if size <= MiB else (4, 3) if size <= 16 * MiB else (1, 3)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    call()
-                    call()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                comm._seg.host_barrier(60, "bench case start")
-                with comm.capture():
-                    us = _graph_time_us(call, calls, replays)
-                rows.append({"op": op, "int8": int8, "size": size, "us": us,
-                             "algorithm": plan.algorithm, "d2h": plan.d2h, "h2d": plan.h2d,
-                             "payload_bytes_d2h": plan.bytes_moved()[0],
-                             "payload_bytes_h2d": plan.bytes_moved()[1]})
-                del x, out
-                torch.cuda.empty_cache()
-    finally:
-        comm.close()
-    return rows
 
 
 def merge_ranks(world: int, per_rank: list[list[dict]]) -> list[dict]:
@@ -266,7 +200,7 @@ def measure(args) -> tuple[dict, list[dict], dict]:
     rows = []
     for world in args.worlds:
         t0 = time.time()
-        res = run_ranks(bench_rank, world, sizes, timeout_s=900)
+        res = run_ranks(time_collectives, world, sizes, True, timeout_s=900)
         bad = [r for r in res if not r.ok]
         if bad:
             print(f"world {world} failed: {bad[0].error}", flush=True)

@@ -91,7 +91,9 @@ def _host_staged(ranks: int, sizes: list[int], notes: list[str]):
         notes.append("host-staged collectives probe not available in this build")
         return []
     try:
-        return hs_probe.measure(ranks=ranks, sizes=sizes)
+        from glmctl.probe.report import CollectivePoint
+
+        return [CollectivePoint(**p) for p in hs_probe.measure(ranks=ranks, sizes=sizes)]
     except Exception as exc:  # noqa: BLE001
         notes.append(f"host-staged collectives probe failed: {exc}")
         return []

@@ -57,3 +57,17 @@ def test_package_import_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_doctor_seam_shapes():
+    """What glmctl doctor reads: the cached calibration as a model, probe rows as CollectivePoints."""
+    from glmctl.collectives import probe
+    from glmctl.probe.report import CollectivePoint
+
+    assert probe.cached_calibration() is None
+    save_calibration(_cal("NVIDIA L40"))
+    assert probe.cached_calibration().device == "NVIDIA L40"
+    assert probe.cached_calibration("NVIDIA H200") is None
+    row = {"op": "all_reduce", "backend": "host-staged", "dtype": "int8", "ranks": 8, "bytes": 1 << 20,
+           "latency_us": 40.0, "algbw_gbps": 10.0, "busbw_gbps": 17.5}
+    assert CollectivePoint(**row).backend == "host-staged"
