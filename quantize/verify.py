@@ -16,6 +16,7 @@ original: relative RMS error ||w - w'|| / ||w||, max |w - w'| and SNR = 10 log10
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,14 +231,22 @@ def _compare(ckpt: Checkpoint, ref: Checkpoint, entries: dict, block: int, resul
     for name in sorted(set(entries) - set(ref_entries)):
         if not (name.endswith(".weight_scale_inv") and name.removesuffix("_scale_inv") in ref_entries):
             result.problems.append(f"{name} is not in the reference and is not the scale of a converted weight")
-    for shard in ckpt.shards:
-        with ShardReader(shard) as reader:
-            for name, e in shard.tensors.items():
-                if name not in ref_entries:
-                    advance(e.nbytes)
-                    continue
-                rshard, r = ref_entries[name]
-                with ShardReader(rshard) as rreader:
+    with contextlib.ExitStack() as stack:
+        ref_readers: dict[str, ShardReader] = {}
+
+        def ref_reader(header) -> ShardReader:
+            if header.path.name not in ref_readers:
+                ref_readers[header.path.name] = stack.enter_context(ShardReader(header))
+            return ref_readers[header.path.name]
+
+        for shard in ckpt.shards:
+            with ShardReader(shard) as reader:
+                for name, e in shard.tensors.items():
+                    if name not in ref_entries:
+                        advance(e.nbytes)
+                        continue
+                    rshard, r = ref_entries[name]
+                    rreader = ref_reader(rshard)
                     if e.dtype in FP8_DTYPES and r.dtype in FLOAT_DTYPES:
                         result.errors.append(_dequant_error(reader, e, shard, rreader, r, block, result, advance))
                     elif _same_bytes(reader, e, rreader, r, advance):

@@ -32,6 +32,10 @@ def steps(tiny: Path) -> list[tuple[str, list[str]]]:
           "--kda", "fp8", "--kv-cache-dtype", "fp8", "--speculative", "mtp:3", "--max-num-seqs", "8"]),
         ("The report's five KV pools on 8x L40: planner predictions vs measurements",
          ["plan", "--reproduce-report"]),
+        ("Block-FP8 attention projections of the tiny checkpoint (step 7 of the report), streamed and atomic",
+         ["quantize", "fp8", str(tiny), str(tiny.parent / "tiny-glm-fp8"), "--force"]),
+        ("...verified against the source: structure, config vs tensors, per-tensor error",
+         ["quantize", "verify", str(tiny.parent / "tiny-glm-fp8"), "--reference", str(tiny), "--top", "5"]),
     ]
 
 

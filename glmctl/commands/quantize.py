@@ -213,8 +213,10 @@ def _render_fp8(console: Console, r: Fp8Result) -> None:
 
     title = f"{'Plan (dry run; nothing written)' if r.dry_run else 'Converted'}: {r.src} -> {r.dst}"
     table = Table(title=title, title_justify="left")
-    for col in ("module", "tensors", "before", "after", "vLLM 0.30"):
-        table.add_column(col, justify="right" if col in ("tensors", "before", "after") else "left")
+    table.add_column("module", overflow="fold")
+    for col in ("tensors", "before", "after"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("vLLM 0.30", no_wrap=True)
     for row in r.roles:
         table.add_row(row.role, str(row.tensors), _size(row.bytes_in), _size(row.bytes_out),
                       FATE_SHORT.get(row.fate, row.fate))
@@ -248,11 +250,13 @@ def _render_verify(console: Console, r: VerifyResult, top: int) -> None:
     console.print(f"worst SNR {r.worst_snr_db:.2f} dB (limit {r.min_snr_db:g} dB), "
                   f"max relative RMS error {r.max_rel_rms:.4f}")
     table = Table(title=f"Worst {min(top, len(r.errors))} tensors by SNR", title_justify="left")
-    for col in ("tensor", "shape", "rel RMS", "max |err|", "SNR dB"):
-        table.add_column(col, justify="left" if col == "tensor" else "right")
+    table.add_column("module", overflow="fold")
+    for col in ("shape", "rel RMS", "max |err|", "SNR dB"):
+        table.add_column(col, justify="right", no_wrap=True)
     for e in sorted(r.errors, key=lambda e: e.snr_db)[:top]:
         snr = f"{e.snr_db:.2f}" if e.ok else f"[red]{e.snr_db:.2f}[/red]"
-        table.add_row(e.name, "x".join(map(str, e.shape)), f"{e.rel_rms:.4f}", f"{e.max_abs:.3g}", snr)
+        table.add_row(e.name.removesuffix(".weight"), "x".join(map(str, e.shape)), f"{e.rel_rms:.4f}",
+                      f"{e.max_abs:.3g}", snr)
     console.print(table)
 
 
