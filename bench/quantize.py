@@ -15,10 +15,11 @@ files from the page cache (posix_fadvise DONTNEED after fsync): the disk's own s
 files; (2) the same read with the files cached; (3) `glmctl quantize fp8` on the uncached source
 (including writing and fsyncing the output). Throughput = source bytes / wall seconds; the ratio
 (3)/(1) is the figure the target applies to; (3)/(2) says how much of a cached read the converter
-keeps. Two ceilings explain the ratio: (4) `copy`, reading the shards and writing them out again
-with fsync (the disk's read+write path for the same bytes; the converter writes ~0.5x of what it
-quantises and 1x of what it copies), and (5) `CPU only`, quantising cached tensors on the
-converter's thread pool with no I/O. Best of --runs. `--write` stores the result under bench/results/.
+keeps. Ceilings that explain the ratio, from the same run: (4) `copy`, a sequential read + write +
+fsync of the same shards (what `cp` does); (5) `write-bound`, the disk's speed writing as many bytes
+as the conversion outputs (from memory, fsync per GiB) divided by output/source bytes (the
+converter writes ~0.5x of what it quantises and 1x of what it copies): no converter that writes
+this output can beat it; (6) `CPU only`, quantising cached tensors on the converter's thread pool. Best of --runs. `--write` stores the result under bench/results/.
 """
 
 from __future__ import annotations
@@ -135,6 +136,28 @@ def copy_all(src: Path, dst: Path) -> float:
     return n / seconds
 
 
+def write_only(dst: Path, nbytes: int) -> float:
+    """Write `nbytes` from memory in 8 MiB pieces into files of <= 1 GiB, fsync each: disk write speed."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+    buf = os.urandom(8 * 2**20)
+    t0 = time.perf_counter()
+    done, part = 0, 0
+    while done < nbytes:
+        with open(dst / f"part-{part}", "wb", buffering=0) as f:
+            written = 0
+            while written < 2**30 and done < nbytes:
+                k = min(len(buf), nbytes - done)
+                f.write(buf[:k])
+                written += k
+                done += k
+            os.fsync(f.fileno())
+        part += 1
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(dst)
+    return nbytes / seconds
+
+
 def quantize_in_memory(src: Path) -> float:
     """Quantise every tensor from cached memory on the converter's pool, no output: the CPU ceiling."""
     import torch
@@ -159,7 +182,8 @@ def quantize_in_memory(src: Path) -> float:
     return sum(m.numel() * 2 for m in matrices) / seconds
 
 
-def convert(src: Path, dst: Path) -> tuple[float, float]:
+def convert(src: Path, dst: Path) -> tuple[float, float, float]:
+    """(source MB/s, share of source bytes quantised, output bytes / source bytes)."""
     from glmctl.quantize.fp8_convert import convert_fp8
     from glmctl.quantize.fp8_plan import Fp8Settings
 
@@ -168,7 +192,7 @@ def convert(src: Path, dst: Path) -> tuple[float, float]:
     result = convert_fp8(src, dst, Fp8Settings())
     seconds = time.perf_counter() - t0
     quantized = sum(r.bytes_in for r in result.roles) / result.bytes_in
-    return result.bytes_in / seconds, quantized
+    return result.bytes_in / seconds, quantized, result.bytes_out / result.bytes_in
 
 
 def measure(work: Path, label: str, gib: float, experts_share: float, runs: int) -> dict:
@@ -177,7 +201,7 @@ def measure(work: Path, label: str, gib: float, experts_share: float, runs: int)
     src, dst = work / f"{label}-src", work / f"{label}-dst"
     total = build(src, gib, experts_share)
     torch.randn(8).to(torch.float8_e4m3fn)  # first-use costs out of the timed runs
-    cold, warm, conv, copy, quantized = [], [], [], [], 0.0
+    cold, warm, conv, copy, write, quantized, out_share = [], [], [], [], [], 0.0, 1.0
     for _ in range(runs):
         _drop_cache(src)
         cold.append(read_all(src))
@@ -185,13 +209,16 @@ def measure(work: Path, label: str, gib: float, experts_share: float, runs: int)
         _drop_cache(src)
         copy.append(copy_all(src, dst))
         _drop_cache(src)
-        rate, quantized = convert(src, dst)
+        rate, quantized, out_share = convert(src, dst)
         conv.append(rate)
+        write.append(write_only(dst, int(total * out_share)))
     compute = quantize_in_memory(src)
     shutil.rmtree(src)
     shutil.rmtree(dst, ignore_errors=True)
     row = {"checkpoint": label, "gib": round(total / 2**30, 2), "quantized_share": round(quantized, 3),
            "read_uncached_MBps": round(max(cold) / 1e6), "read_cached_MBps": round(max(warm) / 1e6),
+           "output_share": round(out_share, 3), "write_output_MBps": round(max(write) / 1e6),
+           "write_bound_convert_MBps": round(max(write) / out_share / 1e6),
            "copy_MBps": round(max(copy) / 1e6), "quantize_in_memory_MBps": round(compute / 1e6),
            "convert_MBps": round(max(conv) / 1e6)}
     row["ratio_vs_uncached_read"] = round(max(conv) / max(cold), 3)
@@ -233,12 +260,12 @@ def main() -> int:
     else:
         print(f"machine: {doc['machine']}")
         print(f"{'checkpoint':<11} {'GiB':>5} {'quantised':>9} {'read cold':>9} {'read warm':>9} {'copy':>6} "
-              f"{'CPU only':>8} {'convert':>7} | {'/read cold':>10} {'/read warm':>10} {'/copy':>6}")
+              f"{'write-bound':>11} {'CPU only':>8} {'convert':>7} | {'/read cold':>10} {'/read warm':>10} {'/copy':>6}")
         for r in rows:
             print(f"{r['checkpoint']:<11} {r['gib']:>5} {r['quantized_share']:>9.0%} {r['read_uncached_MBps']:>9} "
-                  f"{r['read_cached_MBps']:>9} {r['copy_MBps']:>6} {r['quantize_in_memory_MBps']:>8} "
-                  f"{r['convert_MBps']:>7} | {r['ratio_vs_uncached_read']:>10} {r['ratio_vs_cached_read']:>10} "
-                  f"{r['ratio_vs_copy']:>6}")
+                  f"{r['read_cached_MBps']:>9} {r['copy_MBps']:>6} {r['write_bound_convert_MBps']:>11} "
+                  f"{r['quantize_in_memory_MBps']:>8} {r['convert_MBps']:>7} | {r['ratio_vs_uncached_read']:>10} "
+                  f"{r['ratio_vs_cached_read']:>10} {r['ratio_vs_copy']:>6}")
         print(f"MB/s of source bytes; target: convert / read cold >= {TARGET}")
     if args.write:
         out = ROOT / "bench" / "results"
