@@ -42,7 +42,7 @@ def steps(tiny: Path) -> list[tuple[str, list[str]]]:
 def live_steps(url: str, out: Path) -> list[tuple[str, list[str]]]:
     """Short quality and speed checks against the served tiny checkpoint (random weights)."""
     return [
-        ("Perplexity of the tiny model on 1,000 tokens of Python's stdlib (random weights: about the vocab size)",
+        ("Perplexity of the tiny model on 1,000 tokens of Python's stdlib (random weights: expect thousands)",
          ["eval", "perplexity", "--url", url, "--window", "256", "--max-tokens", "1000",
           "--out", str(out / "perplexity.json")]),
         ("Needle in a haystack, 2 lengths x 3 depths (a random model retrieves nothing: this shows the harness)",

@@ -226,9 +226,9 @@ def _render_needle(console, report) -> None:
                   markup=False)
     if report.cells_cut_off and not report.dry_run:
         console.print(f"  [yellow]{report.cells_cut_off} missed cell(s) stopped at --max-answer-tokens "
-                      f"{s.max_answer_tokens}[/yellow]: a reasoning model may still be thinking; raise it, or pass "
-                      "--template-kwargs '{\"enable_thinking\": false}' if the model's template has that switch",
-                      highlight=False)
+                      f"{s.max_answer_tokens}[/yellow] without the value: if the model reasons before it answers, "
+                      "raise it, or pass --template-kwargs '{\"enable_thinking\": false}' where its template has "
+                      "that switch", highlight=False)
     if report.comparison is not None:
         cmp = report.comparison
         console.print(f"  vs baseline {e(cmp.baseline_file)} ({cmp.baseline_accuracy:.0%} found): "
