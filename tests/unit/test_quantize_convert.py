@@ -365,3 +365,37 @@ def test_peak_memory_is_bounded_by_twice_the_largest_tensor_not_the_checkpoint(t
     largest, total = 64 * 2**20, 224 * 2**20
     growth = m["peak"] - m["before"]
     assert growth < 2 * largest < total, f"peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+def test_fp8_source_passes_through_and_verifies_against_it(synthetic_src, tmp_path):
+    """SRC already block-FP8 in its MLPs: they pass through byte for byte, attention is converted."""
+    fp8_src = tmp_path / "fp8-src"
+    code, _, err = cli("quantize", "fp8", str(synthetic_src), str(fp8_src), "--modules", "*.mlp.*")
+    assert code == 0, err
+    dst = tmp_path / "dst"
+    code, out, err = cli("quantize", "fp8", str(fp8_src), str(dst), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["tensors_quantized"] == 22 and result["tensors_kept_fp8"] > 0
+    skip = json.loads((dst / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert [s for s in skip if ".mlp." in s and not s.endswith(".mlp.gate")] == []  # only routers stay
+    code, out, _ = cli("quantize", "verify", str(dst), "--reference", str(fp8_src), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and len(data["errors"]) == 22
+    assert data["identical"] == data["tensors"] - 2 * 22  # every FP8 MLP tensor byte-identical
+
+
+def test_single_file_checkpoint_stays_single_file(tmp_path):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.randn(256, 384).bfloat16(),
+               "model.norm.weight": torch.ones(384)}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, _, err = cli("quantize", "fp8", str(src), str(tmp_path / "dst"))
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["config.json", "glmctl-quantize.json",
+                                                                     "model.safetensors"]
+    code, out, _ = cli("quantize", "verify", str(tmp_path / "dst"), "--reference", str(src))
+    assert code == 0 and "1 converted" in out
