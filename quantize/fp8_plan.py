@@ -167,6 +167,12 @@ def plan_fp8(ckpt: Checkpoint, settings: Fp8Settings) -> Fp8Plan:
         notes.append(f"{fates['rejected']} converted tensor(s) are {FATE_TEXT['rejected']}")
     if fates["bf16_at_load"]:
         notes.append(f"{fates['bf16_at_load']} converted tensor(s) are {FATE_TEXT['bf16_at_load']}")
+    ragged = sorted(n for n in selected if entries[n][1].shape[0] > settings.block
+                    and entries[n][1].shape[0] % settings.block)
+    if ragged:
+        notes.append(f"{len(ragged)} converted matri{'x ends' if len(ragged) == 1 else 'ces end'} in a partial "
+                     f"block of rows (e.g. {ragged[0]}): vLLM loads that, transformers 5.24's FP8 loader "
+                     "does not (it needs rows divisible by the scale rows)")
     qconfig = quantization_config(ckpt, fp8_out, settings.block, kinds)
     return Fp8Plan(settings, tensors, layouts, qconfig, notes)
 
@@ -270,7 +276,8 @@ def quantization_config(ckpt: Checkpoint, fp8_out: set[str], block: int, kinds: 
     reads it) lists every linear module left unquantised: checkpoint names, plus vLLM's fused names
     (`mlp.gate_up_proj`, ...) for fused GEMMs that stay unquantised as a whole, because vLLM matches
     a fused layer's own prefix exactly, and `mlp.experts` once per MoE layer with unquantised experts
-    (vLLM's experts rule is a substring match on that prefix).
+    (vLLM's experts rule is a substring match on that prefix). `modules_to_convert` (transformers
+    only) names converted embeddings. Other keys of a block-FP8 source's config are kept.
     """
     prior = ckpt.config.get("quantization_config") or {}
     skip: set[str] = set()
@@ -288,7 +295,12 @@ def quantization_config(ckpt: Checkpoint, fp8_out: set[str], block: int, kinds: 
             continue
         skip.add(experts_module(module, kinds) or module)
     skip |= {fused for fused, states in fused_state.items() if states == {False}}
-    config = {k: v for k, v in prior.items() if k not in ("ignored_layers", "modules_to_not_convert")}
+    config = {k: v for k, v in prior.items()
+              if k not in ("ignored_layers", "modules_to_not_convert", "modules_to_convert")}
+    # transformers swaps nn.Embedding for its FP8Embedding only for names ending in these
+    embeddings = sorted({module_of(n).rsplit(".", 1)[-1] for n in fp8_out if module_of(n).endswith("embed_tokens")})
+    if embeddings:
+        config["modules_to_convert"] = embeddings
     config.update({
         "quant_method": "fp8",
         "fmt": "e4m3",

@@ -50,6 +50,9 @@ def test_star_selects_every_linear_but_never_the_non_linear_tensors(synthetic_sr
 def test_embeddings_only_when_asked(synthetic_src):
     got = _quantized(synthetic_src, modules=("*.self_attn.q_proj",), embeddings=True)
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= got
+    q = plan_fp8(open_checkpoint(synthetic_src), Fp8Settings(embeddings=True)).quantization_config
+    assert q["modules_to_convert"] == ["embed_tokens"]  # transformers' FP8Embedding swap
+    assert "modules_to_convert" not in plan_fp8(open_checkpoint(synthetic_src), Fp8Settings()).quantization_config
 
 
 def test_exclude_and_comma_free_globs(synthetic_src):
@@ -84,6 +87,7 @@ def test_partial_input_block_is_refused_with_the_reason(tmp_path):
     # kv_a_proj_with_mqa has N = 200 rows: a partial bottom block, allowed (ceil grid, as vLLM)
     kv_a = plan.tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]
     assert kv_a.action == "quantize" and kv_a.bytes_out == 200 * 256 + 2 * 2 * 4
+    assert any("partial block of rows" in n and "transformers" in n for n in plan.notes)
 
 
 def test_partial_block_midway_through_a_fused_attention_gemm_is_noted(synthetic_src):
