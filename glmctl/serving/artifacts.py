@@ -87,3 +87,16 @@ def verify_checkpoint(path: Path, role: str = "checkpoint", need_tokenizer: bool
     if need_tokenizer and not any((root / f).is_file() for f in TOKENIZER_FILES):
         report.problems.append(f"{root} has no tokenizer ({' / '.join(TOKENIZER_FILES)})")
     return report
+
+
+def max_positions(path: Path) -> int | None:
+    """The longest context a checkpoint's config allows (max_position_embeddings), if it says."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int | float) and value > 0:
+            return int(value)
+    return None

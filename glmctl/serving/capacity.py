@@ -110,8 +110,8 @@ def predict(launch: RenderedLaunch, gpus: list | None = None) -> CapacityVerdict
     slots, length = prof.max_num_seqs, prof.max_model_len
     if result.fits and result.sessions_that_fit >= slots:
         return CapacityVerdict(True, True, result.kv_tokens, result.sessions_that_fit,
-                               note=f"{result.kv_tokens:,} KV tokens predicted: {slots} sessions of "
-                                    f"{length:,} tokens fit on {node.name}")
+                               note=f"{result.kv_tokens:,} KV tokens predicted: {slots} session{'s' * (slots != 1)} "
+                                    f"of {length:,} tokens fit on {node.name}")
     if result.fits:
         per_slot = result.kv_tokens // slots // result.setup.block_size * result.setup.block_size
         closest = (f"max_num_seqs {max(result.sessions_that_fit, 1)} at max_model_len {length:,}, or "

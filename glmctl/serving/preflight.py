@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from glmctl.errors import GlmctlError, LicenseError
 from glmctl.hub.licenses import License
 from glmctl.serving import license_gate
-from glmctl.serving.artifacts import ArtifactReport, verify_checkpoint
+from glmctl.serving.artifacts import ArtifactReport, max_positions, verify_checkpoint
 from glmctl.serving.capacity import CapacityVerdict, predict
 from glmctl.serving.render import RenderedLaunch
 from glmctl.serving.vllm_args import VllmCheck
@@ -100,6 +100,12 @@ def _artifacts(launch: RenderedLaunch, report: PreflightReport) -> None:
         if rep.ok:
             report.passed.append(f"{art.role}: {rep.shards} shards, {rep.tensors} tensors, "
                                  f"{rep.bytes / 2**30:.2f} GiB in {art.path}")
+            limit = max_positions(art.path) if art.role == "checkpoint" else None
+            if limit is not None and launch.profile.max_model_len > limit:
+                report.failures.append(Finding(
+                    "context", f"max_model_len {launch.profile.max_model_len:,} is longer than {art.path} "
+                    f"supports (max_position_embeddings {limit:,})",
+                    f"set max_model_len <= {limit:,} in profile '{launch.profile.name}'", usage=True))
             continue
         flag = "--model" if art.role == "checkpoint" else "--drafter"
         hint = (f"check the path given to {flag}; `glmctl fetch` downloads checkpoints"

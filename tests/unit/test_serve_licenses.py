@@ -134,3 +134,30 @@ def test_fetch_and_serve_share_one_record(tmp_path):
     prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path)
     gate = license_gate.evaluate(prof, accept=[SHAPLEY])
     assert NC in gate.accepted and not gate.missing
+
+
+def test_on_a_terminal_serve_asks_and_records_the_acceptance(tmp_path):
+    """stdin is a pseudo-terminal: serve shows each licence and asks for its id to be typed."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    home = tmp_path / "home"
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glmctl", "serve", "--profile", "noncommercial", "--model", str(tmp_path / "m"),
+         "--drafter", str(tmp_path / "d")],
+        stdin=secondary, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "GLMCTL_HOME": str(home)},
+    )
+    os.close(secondary)
+    os.write(primary, f"{SHAPLEY}\n{NC}\n".encode())
+    _, err = proc.communicate(timeout=120)
+    os.close(primary)
+    assert "Brandon M. Music" in err and "non-commercial" in err  # the notices were shown
+    assert (home / "licenses" / f"{NC}.json").is_file() and (home / "licenses" / f"{SHAPLEY}.json").is_file()
+    assert json.loads((home / "licenses" / f"{NC}.json").read_text())["via"] == "prompt"
+    assert proc.returncode == 2 and "does not exist" in err  # then the missing checkpoint stops it

@@ -126,6 +126,16 @@ def test_cli_missing_checkpoint(run_cli, tmp_path):
     assert f"checkpoint directory {tmp_path / 'nope'} does not exist" in proc.stderr
 
 
+def test_a_context_longer_than_the_checkpoint_allows_is_refused(tmp_path):
+    ckpt = _checkpoint(tmp_path / "c")
+    (ckpt / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
+    prof = render.with_paths(profiles.load("tiny-cpu"), model=ckpt)  # max_model_len 8192
+    with pytest.raises(preflight.PreflightError) as err:
+        preflight.run(render.render(prof, port=0))
+    assert "max_model_len 8,192 is longer than" in err.value.message and "max_position_embeddings 4,096" in err.value.message
+    assert err.value.exit_code == 2
+
+
 def test_cli_invalid_profile(run_cli, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("extends: tiny-cpu\nmax_num_seqs: -1\n")

@@ -130,3 +130,18 @@ def test_glmctl_serve_tiny_cpu_serves_and_stops_cleanly_on_sigterm(tiny_launch_t
     run_dir = tmp_path / "cache" / "serve"
     [rendered] = list(run_dir.iterdir())
     assert {"vllm.yaml", "vllm.env", "command.sh", "vllm.log"} <= {p.name for p in rendered.iterdir()}
+
+
+def test_vllm_dying_during_startup_exits_nonzero_with_its_last_lines(run_cli, tmp_path, tiny_launch_target):
+    kind, ckpt = tiny_launch_target
+    # Passes vLLM's parser and every preflight check, then fails when vLLM loads the tokenizer.
+    missing = tmp_path / "no-tokenizer-here"
+    profile = _profile_file(tmp_path, kind, f"vllm_args:\n  tokenizer: {missing}\n")
+    proc = run_cli("serve", "--profile", profile, "--model", str(ckpt), "--port", str(srv.free_port()),
+                   env={"GLMCTL_CACHE": str(tmp_path / "cache")}, timeout=600)
+    assert proc.returncode not in (0, 2), proc.stderr
+    assert "vLLM exited with status" in proc.stderr and "during start-up" in proc.stderr
+    assert str(missing) in proc.stderr  # vLLM's own reason, from the last log lines
+    assert "the whole log is in" in proc.stderr and "vllm.log" in proc.stderr
+    [log] = (tmp_path / "cache" / "serve").glob("*/vllm.log")
+    assert str(missing) in log.read_text()
