@@ -114,10 +114,8 @@ def _calibration(notes: list[str]) -> dict | None:
 
 def profile_fits(report: DoctorReport):
     """Which shipped profiles this node can run (GPU requirements + the planner's KV fit)."""
-    from glmctl.probe.verdict import ProfileFit
-
-    try:
-        from glmctl.serving import fit as serving_fit  # profiles + planner, once both exist
-    except ImportError:
+    if not report.gpus:
         return []
-    return [ProfileFit(**f) for f in serving_fit.fits_for_node(report)]
+    from glmctl.probe.fits import fits_for_node
+
+    return fits_for_node(report)

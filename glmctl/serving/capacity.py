@@ -46,7 +46,7 @@ def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None
                                 drafter=load_drafter(prof.speculative.drafter.path))
     return plan.ServingSetup(
         tensor_parallel_size=prof.tensor_parallel_size,
-        weights=plan.WeightFormats.for_checkpoint(model.checkpoint_quant),
+        weights=plan.WeightFormats.for_checkpoint(_checkpoint_quant(prof, model)),
         kv_cache_dtype=_KV_DTYPES[prof.kv_cache_dtype],
         speculative=spec,
         max_model_len=max_model_len or prof.max_model_len,
@@ -59,6 +59,18 @@ def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None
         block_size=args.get("block-size") or _plugin_block_size(launch, model),
         session_tokens=max_model_len or prof.max_model_len,
     )
+
+
+# A profile's `weights` names its checkpoint's format; EXL3 experts are planned at the nominal 4 bits.
+_PROFILE_WEIGHTS = {"bf16": "bf16", "fp8": "fp8", "exl3": "exl3:4"}
+
+
+def _checkpoint_quant(profile, model) -> str:
+    """The checkpoint's own format, or the profile's declared one when planning from the preset
+    (no checkpoint on the node yet: `glmctl doctor`)."""
+    if model.source.startswith("preset"):
+        return _PROFILE_WEIGHTS[profile.model.weights]
+    return model.checkpoint_quant
 
 
 def _plugin_block_size(launch: RenderedLaunch, model) -> int | None:

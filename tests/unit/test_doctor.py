@@ -152,3 +152,36 @@ def test_doctor_without_gpu_runs_and_exits_1(run_cli, tmp_path):
 def test_collective_point_schema_is_stable():
     fields = set(CollectivePoint.model_fields)
     assert fields == {"op", "backend", "dtype", "ranks", "bytes", "latency_us", "algbw_gbps", "busbw_gbps", "env"}
+
+
+def test_shipped_profiles_judged_for_the_synthetic_l40_node():
+    """Planned from the GLM-5.3-Flash preset with each profile's declared weight format: the
+    commercial profile (EXL3 experts) fits 8 sessions on 8x L40 only because of its 4-bit experts."""
+    from glmctl.probe.fits import fits_for_node
+
+    report = load("synthetic-8xL40-no-p2p.json")
+    fits = {f.profile: f for f in fits_for_node(report)}
+    assert "tiny-cpu" not in fits  # a CPU profile is not a question for a GPU node
+    assert fits["commercial"].fits and fits["latency"].fits
+    assert not fits["noncommercial"].fits and "drafter" in fits["noncommercial"].reasons[0]
+    four = report.model_copy(update={"gpus": report.gpus[:4]})
+    assert all(not f.fits and "needs 8 GPUs" in f.reasons[0] for f in fits_for_node(four))
+
+
+def test_preset_planning_uses_the_profiles_weight_format():
+    import dataclasses
+
+    from glmctl.serving import capacity, profiles
+    from glmctl.serving import render as rendering
+    from glmctl.serving.gpus import Gpu
+
+    gpus = [Gpu(i, "NVIDIA L40", (8, 9), 44.99, 44.99) for i in range(8)]
+    commercial = profiles.load("commercial")
+    as_fp8 = commercial.model_copy(update={"model": commercial.model.model_copy(update={"weights": "fp8"})})
+    verdicts = []
+    for prof in (commercial, as_fp8):
+        launch = rendering.render(rendering.with_paths(prof, model=Path("glm-5.3-flash")))
+        launch = dataclasses.replace(launch, config={**launch.config, "model": "glm-5.3-flash"})
+        verdicts.append(capacity.predict(launch, gpus))
+    assert verdicts[0].fits and verdicts[0].sessions_fit == 8
+    assert not verdicts[1].fits  # FP8 experts leave no room for 8 x 256k sessions
