@@ -89,12 +89,43 @@ def verify_checkpoint(path: Path, role: str = "checkpoint", need_tokenizer: bool
     return report
 
 
-def max_positions(path: Path) -> int | None:
-    """The longest context a checkpoint's config allows (max_position_embeddings), if it says."""
+def _config(path: Path) -> dict:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _quantization(config: dict) -> dict:
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    return quant if isinstance(quant, dict) else {}
+
+
+@dataclass(frozen=True)
+class WeightsFormat:
+    kind: str
+    """"bf16", "fp8", "exl3", or the checkpoint's own quant_method when it is none of those."""
+    tp_degrees: tuple[int, ...] | None = None
+    """EXL3: the tensor-parallel degrees the converter checked its 128-element slices for."""
+
+
+def weights_format(path: Path) -> WeightsFormat:
+    """How a checkpoint stores its weights, from its `quantization_config` (glmctl's EXL3 format:
+    quantize/exl3_format.py; block FP8: quant_method fp8; none: bf16)."""
+    quant = _quantization(_config(path))
+    method = str(quant.get("quant_method", "")).lower()
+    if not method:
+        return WeightsFormat("bf16")
+    if method == "glmctl_exl3":
+        degrees = (quant.get("experts") or {}).get("tp_degrees")
+        return WeightsFormat("exl3", tuple(degrees) if isinstance(degrees, list) else None)
+    return WeightsFormat(method)
+
+
+def max_positions(path: Path) -> int | None:
+    """The longest context a checkpoint's config allows (max_position_embeddings), if it says."""
+    config = _config(path)
     for section in (config, config.get("text_config") or {}):
         value = section.get("max_position_embeddings") if isinstance(section, dict) else None
         if isinstance(value, int | float) and value > 0:

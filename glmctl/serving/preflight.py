@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from glmctl.errors import GlmctlError, LicenseError
 from glmctl.hub.licenses import License
 from glmctl.serving import license_gate
-from glmctl.serving.artifacts import ArtifactReport, max_positions, verify_checkpoint
+from glmctl.serving.artifacts import (
+    ArtifactReport,
+    max_positions,
+    verify_checkpoint,
+    weights_format,
+)
 from glmctl.serving.capacity import CapacityVerdict, predict
 from glmctl.serving.render import RenderedLaunch
 from glmctl.serving.vllm_args import VllmCheck
@@ -100,17 +105,34 @@ def _artifacts(launch: RenderedLaunch, report: PreflightReport) -> None:
         if rep.ok:
             report.passed.append(f"{art.role}: {rep.shards} shards, {rep.tensors} tensors, "
                                  f"{rep.bytes / 2**30:.2f} GiB in {art.path}")
-            limit = max_positions(art.path) if art.role == "checkpoint" else None
-            if limit is not None and launch.profile.max_model_len > limit:
-                report.failures.append(Finding(
-                    "context", f"max_model_len {launch.profile.max_model_len:,} is longer than {art.path} "
-                    f"supports (max_position_embeddings {limit:,})",
-                    f"set max_model_len <= {limit:,} in profile '{launch.profile.name}'", usage=True))
+            if art.role == "checkpoint":
+                _checkpoint_fits_profile(launch, art.path, report)
             continue
         flag = "--model" if art.role == "checkpoint" else "--drafter"
         hint = (f"check the path given to {flag}; `glmctl fetch` downloads checkpoints"
                 if rep.missing else f"repair it: glmctl fetch --verify {art.path} --repair")
         report.failures.append(Finding(art.role, "; ".join(rep.problems), hint, usage=rep.missing))
+
+
+def _checkpoint_fits_profile(launch: RenderedLaunch, path, report: PreflightReport) -> None:
+    """The checkpoint is the one the profile was planned for: weight format, TP slices, context."""
+    prof = launch.profile
+    fmt = weights_format(path)
+    if fmt.kind != prof.model.weights:
+        report.failures.append(Finding(
+            "weights", f"profile '{prof.name}' is planned for {prof.model.weights} weights, but {path} holds "
+            f"{fmt.kind} weights", "pass the checkpoint this profile is for with --model, or pick the profile "
+            "made for this one (glmctl profile ls)", usage=True))
+    elif fmt.tp_degrees is not None and prof.tensor_parallel_size not in fmt.tp_degrees:
+        report.failures.append(Finding(
+            "weights", f"{path} was converted for tensor-parallel sizes {list(fmt.tp_degrees)}, not "
+            f"{prof.tensor_parallel_size}", "convert it again for this TP size (glmctl quantize exl3)", usage=True))
+    limit = max_positions(path)
+    if limit is not None and prof.max_model_len > limit:
+        report.failures.append(Finding(
+            "context", f"max_model_len {prof.max_model_len:,} is longer than {path} supports "
+            f"(max_position_embeddings {limit:,})", f"set max_model_len <= {limit:,} in profile '{prof.name}'",
+            usage=True))
 
 
 def _port(launch: RenderedLaunch, report: PreflightReport) -> None:

@@ -166,3 +166,28 @@ def test_cli_dry_run_prints_and_starts_nothing(run_cli, tmp_path):
     assert not (tmp_path / "cache").exists() and not home.exists()  # nothing written, nothing accepted
     human = run_cli("serve", "--profile", "tiny-cpu", "--model", str(tmp_path), "--dry-run", env=env)
     assert "enforce-eager: true" in human.stdout and "VLLM_CPU_KVCACHE_SPACE=1" in human.stdout
+
+
+@pytest.mark.parametrize(
+    ("profile", "quantization", "expected"),
+    [
+        ("commercial", None, "planned for exl3 weights, but"),
+        ("latency", {"quant_method": "glmctl_exl3", "experts": {"tp_degrees": [8]}}, "planned for fp8 weights"),
+        ("commercial", {"quant_method": "glmctl_exl3", "experts": {"tp_degrees": [1, 2, 4]}},
+         "converted for tensor-parallel sizes [1, 2, 4], not 8"),
+    ],
+)
+def test_the_checkpoint_must_be_the_one_the_profile_is_planned_for(tmp_path, profile, quantization, expected):
+    from glmctl.hub import licenses
+
+    ckpt = _checkpoint(tmp_path / "c")
+    config = {"max_position_embeddings": 1 << 20}
+    if quantization:
+        config["quantization_config"] = quantization
+    (ckpt / "config.json").write_text(json.dumps(config))
+    for lic in ("shapleymcg-1.0",):
+        licenses.user_store().accept(licenses.get_license(lic), "flag")
+    prof = render.with_paths(profiles.load(profile), model=ckpt)
+    with pytest.raises(preflight.PreflightError) as err:
+        preflight.run(render.render(prof, port=0))
+    assert expected in err.value.message and err.value.exit_code == 2
