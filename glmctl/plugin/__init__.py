@@ -9,7 +9,9 @@ it acts and `activation` for what it installs.
 def register() -> None:
     """Called by vLLM in every process; idempotent, and a no-op where nothing is needed."""
     from glmctl.plugin.activation import register_once
+    from glmctl.plugin.communicator import install_collectives
     from glmctl.plugin.exl3_config import register_exl3_quantization
 
     register_exl3_quantization()  # EXL3-experts checkpoints on any platform; GLMCTL_EXL3=off skips it
     register_once()
+    install_collectives()  # only GLMCTL_COLLECTIVES=host-staged|auto on CUDA; else nothing is touched
