@@ -119,10 +119,14 @@ def _checkpoint_quant(config: dict) -> str:
     method = str(quant.get("quant_method", "")).lower()
     if method == "fp8":
         return "fp8"
-    if method == "exl3":
+    if method == "exl3":  # exllamav3's own converter
         return f"exl3:{quant.get('bits', 4)}"
+    from glmctl.quantize.exl3_format import QUANT_METHOD, Exl3ExpertsSpec
+
+    if method == QUANT_METHOD:  # `glmctl quantize exl3`: EXL3 routed experts, the rest as the source had it
+        return f"exl3:{Exl3ExpertsSpec.from_config(quant).bits}"
     raise ConfigError(
-        f"checkpoint quantization '{method}' is not one glmctl plans for (bf16, fp8, exl3)",
+        f"checkpoint quantization '{method}' is not one glmctl plans for (bf16, fp8, exl3, glmctl_exl3)",
         hint="pass the weight formats explicitly (--experts, --dense, --kda, --mla, --embeddings)",
     )
 

@@ -255,3 +255,18 @@ def test_plan_imports_nothing_heavy():
 
     assert _imported_heavy(["plan", "--model", "glm-5.3-flash", "--gpus", "8xL40", "--tp", "8"]) == []
     assert _imported_heavy(["plan", "--reproduce-report"]) == []
+
+
+def test_glmctl_exl3_checkpoints_are_planned_with_their_bits(tmp_path):
+    """`glmctl quantize exl3` writes quant_method glmctl_exl3; the planner reads its bits."""
+    import json
+
+    from glmctl.quantize.exl3_format import Exl3ExpertsSpec
+
+    from glmctl.plan.model import load_model_spec
+    from glmctl.plan.presets import PRESETS
+
+    spec = Exl3ExpertsSpec(bits=3, modules=["model.layers.3.mlp.experts"])
+    config = {**PRESETS["glm-5.3-flash"], "quantization_config": spec.to_config()}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_model_spec(tmp_path).checkpoint_quant == "exl3:3"
