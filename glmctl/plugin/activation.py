@@ -56,10 +56,11 @@ def register_once() -> None:
     if not decision.act:
         logger.info("glmctl plugin: inactive (%s)", decision.reason)
         return
+    # The gate stays installed after activation: vLLM builds further configs later (e.g. the
+    # MTP drafter's, inside the worker) and each needs the same GLM-5.3-Flash defaults.
+    _install_config_gate(decision)
     if os.environ.get(ENV_ACTIVE):
         activate(decision, because=f"inherited {ENV_ACTIVE}={os.environ[ENV_ACTIVE]}")
-        return
-    _install_config_gate(decision)
 
 
 def current_platform_facts() -> PlatformFacts:
