@@ -12,9 +12,10 @@ def install(target: Target) -> list[str]:
     # import each other; this is the order vLLM itself uses).
     import vllm.models.glm5next  # noqa: F401
 
-    from glmctl.plugin import model_hooks
+    from glmctl.plugin import model_hooks, mtp
 
-    installed = [_install_backend_selection(), _register_indexer(), model_hooks.install()]
+    installed = [_install_backend_selection(), _register_indexer(), model_hooks.install(),
+                 mtp.install()]
     if target is Target.TORCH:
         from glmctl.plugin import cpu_ops
 
