@@ -29,13 +29,17 @@ sleeping one after the timeout. Without MPS the GPU time-slices between the rank
 call costs at least ~0.3 ms (2 ranks) / ~0.9 ms (4 ranks) whatever its size: the context switches
 its barriers force, not the protocol (a spinning kernel would be worse there: it holds its time
 slice while the peer it waits for cannot run). Large messages run at 0.9-1.0 of back-to-back
-pinned-copy speed; copy-engine D2H and H2D of one call are not overlapped (no duplex pipelining yet).
+pinned-copy speed with the two copy directions of a call one after the other; `pipeline.py` now
+overlaps them (per-piece flags, a second stream), not yet measured at the time of writing.
 
 Data path (`plan.py` has the layouts): one-shot: copy own message into its host slot, B1, reduce all
 slots in rank order in fp32 (reading peers from host memory, or from a device mirror after
 copy-engine copies). Two-shot (3+ ranks, larger messages): B1, rank r reduces chunk r, publishes it
 to the result area, B2, copies the other chunks. The copy engine or SM path is chosen per direction
-and size band by `calibration.py`.
+and size band by `calibration.py`. Messages on the copy engine both ways are pipelined
+(`pipeline.py`): pieces go out on a second stream while earlier pieces come back, each piece
+announced by its own flag (the same single-writer constant writes, reset by the reader; a call
+keeps B0, which orders a flag's reset before its next raise exactly as above).
 """
 
 from __future__ import annotations
@@ -46,13 +50,15 @@ import secrets
 import zlib
 from collections.abc import Callable, Iterator
 
-from glmctl.collectives import datapath, kernels
+from glmctl.collectives import datapath, kernels, pipeline
 from glmctl.collectives.calibration import CollectivesCalibration, calibrate, load_calibration
 from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
 from glmctl.collectives.errors import CaptureMismatchError, CollectiveError, SegmentError
 from glmctl.collectives.plan import (
     DEFAULT_GROUP,
     DEFAULT_ONE_SHOT_MAX_BYTES,
+    DEFAULT_PIECE_BYTES,
+    MAX_PIECES,
     CollectivePlan,
     CopyEngines,
     fits,
@@ -61,9 +67,10 @@ from glmctl.collectives.plan import (
     slot_capacity,
     use_int8,
 )
-from glmctl.collectives.protocol import barrier_memops
+from glmctl.collectives.protocol import arrive_memops, await_memops, barrier_memops
 from glmctl.collectives.segment import (
     BARRIERS,
+    PIECE_FLAGS,
     R_CAPTURE_COUNT,
     R_CAPTURE_DIGEST,
     R_STATE,
@@ -79,6 +86,12 @@ def default_timeout_s() -> float:
     return float(os.environ.get("GLMCTL_COLLECTIVES_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
+def default_piece_bytes() -> int:
+    """GLMCTL_COLLECTIVES_PIECE_KIB (0: no pipelining), for measuring; else DEFAULT_PIECE_BYTES."""
+    raw = os.environ.get("GLMCTL_COLLECTIVES_PIECE_KIB", "").strip()
+    return int(float(raw) * 1024) if raw else DEFAULT_PIECE_BYTES
+
+
 class HostStagedCommunicator:
     """One rank's end of a host-staged collective group (one process per GPU, one node).
 
@@ -90,13 +103,14 @@ class HostStagedCommunicator:
     at least this many bytes use INT8 payloads unless the call says otherwise (None: only when asked).
     timeout_s: how long a wait may make no progress before the peer is declared stalled.
     on_error: called (from the watchdog thread) when the group breaks, e.g. to stop the process.
+    piece_bytes: pipelined calls cut copy-engine messages into pieces of about this size (0: off).
     """
 
     def __init__(self, rank: int, world_size: int, group_id: str, max_bytes: int, *,
                  device=None, cpu_group=None, int8_min_bytes: int | None = None,
                  int8_group: int = DEFAULT_GROUP, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
                  copy_engines: CopyEngines | None = None, timeout_s: float | None = None,
-                 init_timeout_s: float = 120.0,
+                 init_timeout_s: float = 120.0, piece_bytes: int | None = None,
                  on_error: Callable[[CollectiveError], None] | None = None) -> None:
         import torch
 
@@ -104,6 +118,8 @@ class HostStagedCommunicator:
         self.rank, self.world_size, self.max_bytes = rank, world_size, max_bytes
         self.int8_min_bytes, self.int8_group = int8_min_bytes, int8_group
         self.one_shot_max_bytes = one_shot_max_bytes
+        self.piece_bytes = default_piece_bytes() if piece_bytes is None else piece_bytes
+        self._events: list[int] = []
         self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         self.calibration: CollectivesCalibration | None = None
         self._int8_override: list[bool | None] = []
@@ -137,6 +153,10 @@ class HostStagedCommunicator:
             self._progress = kernels.Progress(torch.zeros(1, dtype=torch.int32, device=self.device),
                                               tick_host)
             self._barriers = [self._barrier_ops(b) for b in range(BARRIERS)]
+            self._arrivals, self._awaits = self._piece_ops()
+            self._d2h = torch.cuda.Stream(self.device)  # the pipelined paths' device-to-host stream
+            self.d2h_stream = self._d2h.cuda_stream
+            self._events = [self._drv.event_create() for _ in range(pipeline.EV_PIECE0 + MAX_PIECES)]
             self._selftest_memops()
             self.copy_engines = copy_engines or self._calibrated_engines(init_timeout_s)
             self._seg.host_barrier(init_timeout_s, "start-up")
@@ -159,7 +179,14 @@ class HostStagedCommunicator:
         plan = self.plan("all_reduce", x, int8)
         self._note(plan)
         stream = self._stream()
-        if plan.int8:
+        if plan.pieces:
+            if plan.int8:
+                pipeline.all_reduce_int8(self, x, out, plan, stream)
+            elif plan.algorithm == "two_shot":
+                pipeline.all_reduce_two_shot(self, x, out, plan, stream)
+            else:
+                pipeline.all_reduce_one_shot(self, x, out, plan, stream)
+        elif plan.int8:
             datapath.all_reduce_int8(self, x, out, plan, stream)
         elif plan.algorithm == "two_shot":
             datapath.all_reduce_two_shot(self, x, out, plan, stream)
@@ -176,7 +203,8 @@ class HostStagedCommunicator:
         plan = self.plan("all_gather", x, int8)
         self._note(plan)
         flat = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
-        datapath.all_gather(self, x, flat, plan, self._stream())
+        path = pipeline if plan.pieces else datapath
+        path.all_gather(self, x, flat, plan, self._stream())
         stacked = flat.view(self.world_size, *x.shape)
         if dim == 0:
             return stacked.view(self.world_size * x.shape[0], *x.shape[1:]) if x.dim() else stacked
@@ -188,17 +216,20 @@ class HostStagedCommunicator:
         nbytes = tensor.numel() * tensor.element_size()
         default = self._int8_override[-1] if self._int8_override else None
         want = use_int8(nbytes, int8 if int8 is not None else default, self.int8_min_bytes)
-        if op == "all_reduce":
-            plan = plan_all_reduce(tensor.numel(), tensor.element_size(), self.world_size, int8=want,
-                                   group=self.int8_group, one_shot_max_bytes=self.one_shot_max_bytes,
-                                   engines=self.copy_engines)
-        else:
-            plan = plan_all_gather(tensor.numel(), tensor.element_size(), self.world_size, int8=want,
-                                   group=self.int8_group, engines=self.copy_engines)
-        if not fits(plan, self._capacity):
-            raise CollectiveError(f"a {nbytes}-byte {op} exceeds this communicator's max_bytes "
-                                  f"({self.max_bytes})", hint="create it with a larger max_bytes")
-        return plan
+        for piece_bytes in dict.fromkeys((self.piece_bytes, 0)):  # unpipelined if pieces overflow
+            if op == "all_reduce":
+                plan = plan_all_reduce(tensor.numel(), tensor.element_size(), self.world_size,
+                                       int8=want, group=self.int8_group,
+                                       one_shot_max_bytes=self.one_shot_max_bytes,
+                                       engines=self.copy_engines, piece_bytes=piece_bytes)
+            else:
+                plan = plan_all_gather(tensor.numel(), tensor.element_size(), self.world_size,
+                                       int8=want, group=self.int8_group, engines=self.copy_engines,
+                                       piece_bytes=piece_bytes)
+            if fits(plan, self._capacity):
+                return plan
+        raise CollectiveError(f"a {nbytes}-byte {op} exceeds this communicator's max_bytes "
+                              f"({self.max_bytes})", hint="create it with a larger max_bytes")
 
     @contextlib.contextmanager
     def int8_payloads(self, enabled: bool | None) -> Iterator[None]:
@@ -292,6 +323,34 @@ class HostStagedCommunicator:
         ops, arr = self._barriers[b]
         self._drv.run_memops(stream, ops, arr)
 
+    def arrive(self, p: int, stream: int) -> None:
+        """Raise piece flag p for every peer (after the copies enqueued on `stream` before it)."""
+        ops, arr = self._arrivals[p]
+        self._drv.run_memops(stream, ops, arr)
+
+    def await_flag(self, p: int, stream: int) -> None:
+        """Wait for piece flag p from every peer, and reset it."""
+        ops, arr = self._awaits[p]
+        self._drv.run_memops(stream, ops, arr)
+
+    def event(self, i: int) -> int:
+        return self._events[i]
+
+    def _piece_ops(self):
+        seg, h = self._seg, self._hbase
+
+        def flag(f, src, dst):
+            return h + seg.flag_offset(f, src, dst)
+
+        status = h + seg.status_offset(self.rank)
+        arrivals, awaits = [], []
+        for p in range(PIECE_FLAGS):
+            ops = arrive_memops(self.rank, self.world_size, BARRIERS + p, flag)
+            arrivals.append((ops, memop_array(ops)))
+            ops = await_memops(self.rank, self.world_size, BARRIERS + p, flag, status)
+            awaits.append((ops, memop_array(ops)))
+        return arrivals, awaits
+
     def _barrier_ops(self, b: int):
         seg, h = self._seg, self._hbase
         ops = barrier_memops(self.rank, self.world_size, b,
@@ -372,6 +431,12 @@ class HostStagedCommunicator:
             seg.set_rank_word(self.rank, R_STATE, STATE_CLOSED)
         if self._watchdog is not None:
             self._watchdog.stop()
+        for ev in self._events:
+            try:
+                self._drv.event_destroy(ev)
+            except CollectiveError:
+                pass
+        self._events = []
         if self._registered:
             try:
                 self._drv.host_unregister(seg.address)

@@ -18,6 +18,14 @@ Layouts, per call (all offsets in bytes, every region starts on a 256-byte bound
 The device keeps a mirror of the data and result areas (the "stage") with the same offsets, so a
 kernel reads peers' slots from host memory (SM path) or from the stage after a copy-engine copy
 (CE path) with the same arguments.
+
+Pipelined plans (`pieces` > 0; copy engine both ways, `pipeline.py`): the message is cut into
+`pieces` consecutive pieces of `chunk_elems` elements (one-shot, all-gather; INT8: one record per
+piece), or for two-shot into `pieces` slices of `world` regions of `chunk_elems` each, region q of
+slice s being chunk s * world + q (INT8: record s * world + q) and owned by rank q. The layouts are
+the unpipelined ones cut finer: a slot still holds the whole message at the same offsets, and INT8
+groups are the same 128-element runs of the flat message whatever the cut, so the numbers do not
+depend on `pieces`.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ GROUPS_ALLOWED = (32, 64, 128, 256)
 DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 DEFAULT_BAND_BYTES = 1024 * 1024
 SCALE_BYTES = 4
+# Pipelining: pieces of about 2 MiB (two-shot: slices of world x 512 KiB), 2 to 16 of them. Smaller
+# pieces overlap more of the two copy directions but pay more per-copy and per-flag overhead.
+DEFAULT_PIECE_BYTES = 2 * 1024 * 1024
+MAX_PIECES = 16
 
 Engine = Literal["ce", "sm"]
 Op = Literal["all_reduce", "all_gather"]
@@ -111,6 +123,7 @@ class CollectivePlan:
     layout: Int8Layout | None
     d2h: Engine
     h2d: Engine
+    pieces: int = 0  # 0: unpipelined; else pieces (two-shot: slices) of the pipelined path
 
     @property
     def nbytes(self) -> int:
@@ -122,29 +135,49 @@ class CollectivePlan:
 
     @property
     def result_bytes(self) -> int:
-        return self.world * self.result_stride if self.algorithm == "two_shot" else 0
+        if self.algorithm != "two_shot":
+            return 0
+        if self.layout is not None:
+            return self.layout.total_bytes
+        return align_up(self.nbytes) if self.pieces else self.world * self.result_stride
 
     def chunk_span(self, c: int) -> tuple[int, int]:
         """First element and element count of chunk c of the output (the count may be 0)."""
         lo = c * self.chunk_elems
         return lo, max(0, min(self.chunk_elems, self.numel - lo))
 
+    def slice_span(self, s: int) -> tuple[int, int]:
+        """Two-shot pipelined: first element and element count of slice s (its `world` regions)."""
+        lo = s * self.world * self.chunk_elems
+        return lo, max(0, min(self.world * self.chunk_elems, self.numel - lo))
+
     def bytes_moved(self) -> tuple[int, int]:
-        """(device-to-host, host-to-device) bytes one rank moves over its link in this call."""
+        """(device-to-host, host-to-device) bytes rank 0 moves over its link in this call."""
         n = self.world
         if self.layout is not None:
             rec = self.layout.record_bytes
             if self.algorithm == "two_shot":
+                if self.pieces:  # each slice: the other regions out, the own result out
+                    return self.layout.total_bytes, 2 * (n - 1) * rec * self.pieces
                 return n * rec + rec, 2 * (n - 1) * rec
-            return rec, (n - 1) * rec
+            return self.layout.total_bytes, (n - 1) * self.layout.total_bytes
         if self.algorithm == "two_shot":
+            if self.pieces:
+                own = sum(self.chunk_span(s * n)[1] for s in range(self.pieces)) * self.elem_bytes
+                return self.nbytes, (n - 1) * own + (self.nbytes - own)
             own = self.chunk_span(0)[1] * self.elem_bytes
             return self.nbytes + own, (n - 1) * own + (self.nbytes - own)
         return self.nbytes, (n - 1) * self.nbytes
 
     def key(self) -> tuple:
-        """What must match across ranks for their barrier sequences to line up."""
-        return (self.op, self.algorithm, self.int8, self.numel, self.elem_bytes)
+        """What must match across ranks for their flag sequences to line up."""
+        return (self.op, self.algorithm, self.int8, self.numel, self.elem_bytes, self.pieces)
+
+
+def pieces_for(payload: int, target: int) -> int:
+    """Pieces of a pipelined call: about `target` bytes each, at least 2 (so the two copy
+    directions overlap), at most MAX_PIECES."""
+    return min(MAX_PIECES, max(2, cdiv(payload, target)))
 
 
 def plan_all_reduce(
@@ -156,10 +189,12 @@ def plan_all_reduce(
     group: int = DEFAULT_GROUP,
     one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
     engines: CopyEngines = CopyEngines(),
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
 ) -> CollectivePlan:
     """One-shot (every rank reads every slot and reduces all of it) while the message is small or
     there are only two ranks (two-shot moves the same bytes then, with one more barrier); above
-    that, reduce-scatter + all-gather, which reads 2(n-1)/n of the message instead of n-1."""
+    that, reduce-scatter + all-gather, which reads 2(n-1)/n of the message instead of n-1.
+    Pipelined when both directions use the copy engine and `piece_bytes` > 0."""
     nbytes = numel * elem_bytes
     two_shot = world > 2 and nbytes > one_shot_max_bytes
     chunks = world if two_shot else 1
@@ -175,6 +210,26 @@ def plan_all_reduce(
         chunk = align_up(cdiv(numel, world), 128) if two_shot else numel
         result = chunk * elem_bytes if two_shot else 0
     payload = layout.total_bytes if layout else nbytes
+    d2h, h2d = engines.d2h(payload), engines.h2d(payload * (world - 1))
+    pieces = 0
+    if piece_bytes > 0 and d2h == "ce" and h2d == "ce":
+        if two_shot:
+            pieces = pieces_for(payload, max(piece_bytes, world * piece_bytes // 4))
+            if int8:
+                layout = int8_layout(numel, pieces * world, group)
+                chunk = layout.chunk_elems
+            else:
+                chunk = align_up(cdiv(numel, pieces * world), 128)
+                pieces = cdiv(numel, world * chunk)
+        else:
+            pieces = pieces_for(payload, piece_bytes)
+            if int8:
+                layout = int8_layout(numel, pieces, group)
+                chunk = layout.chunk_elems
+            else:
+                chunk = align_up(cdiv(numel, pieces), 128)
+                pieces = cdiv(numel, chunk)
+        slot = align_up(layout.total_bytes) if layout else slot
     return CollectivePlan(
         op="all_reduce",
         algorithm="two_shot" if two_shot else "one_shot",
@@ -186,8 +241,9 @@ def plan_all_reduce(
         chunk_elems=chunk,
         result_stride=result,
         layout=layout,
-        d2h=engines.d2h(payload),
-        h2d=engines.h2d(payload * (world - 1)),
+        d2h=d2h,
+        h2d=h2d,
+        pieces=pieces,
     )
 
 
@@ -199,9 +255,20 @@ def plan_all_gather(
     int8: bool = False,
     group: int = DEFAULT_GROUP,
     engines: CopyEngines = CopyEngines(),
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
 ) -> CollectivePlan:
     layout = int8_layout(numel, 1, group) if int8 else None
     payload = layout.total_bytes if layout else numel * elem_bytes
+    d2h, h2d = engines.d2h(payload), engines.h2d(payload * (world - 1))
+    chunk, pieces = numel, 0
+    if piece_bytes > 0 and d2h == "ce" and h2d == "ce":
+        pieces = pieces_for(payload, piece_bytes)
+        if int8:
+            layout = int8_layout(numel, pieces, group)
+            chunk = layout.chunk_elems
+        else:
+            chunk = align_up(cdiv(numel, pieces), 128)
+            pieces = cdiv(numel, chunk)
     return CollectivePlan(
         op="all_gather",
         algorithm="gather",
@@ -209,12 +276,13 @@ def plan_all_gather(
         world=world,
         numel=numel,
         elem_bytes=elem_bytes,
-        slot_stride=align_up(payload),
-        chunk_elems=numel,
+        slot_stride=align_up(layout.total_bytes if layout else payload),
+        chunk_elems=chunk,
         result_stride=0,
         layout=layout,
-        d2h=engines.d2h(payload),
-        h2d=engines.h2d(payload * (world - 1)),
+        d2h=d2h,
+        h2d=h2d,
+        pieces=pieces,
     )
 
 

@@ -1,15 +1,20 @@
-"""The barrier every collective call is built from, as stream memory operations (pure data).
+"""The flag operations every collective call is built from, as stream memory operations (pure data).
 
-At barrier b, rank r's stream:
-  1. writes 1 into flag[b][r->j] for every peer j          (arrival; fenced after earlier copies)
-  2. writes 2b+1 into its status word                       ("waiting at b", for the watchdog)
-  3. waits until flag[b][j->r] == 1 for every peer j
-  4. writes 0 into each flag[b][j->r]                       (the reader resets what it consumed)
-  5. writes 2b+2 into its status word                       ("passed b")
-A call is B0 (previous call's reads done), payload out, B1 (payloads in), reads, and for two-shot
-B2 (reduced chunks in) and reads. Why the reset by the reader is safe, and why a call needs at least
-two barriers, is in `communicator.py`; `tests/unit/test_collectives_protocol.py` checks it on every
-interleaving a random scheduler finds, with each rank's writes delivered late but in order.
+A flag is one word per (flag id, source rank, destination rank); only the source writes 1, only the
+destination writes 0. Two halves:
+  arrive(f):  rank r's stream writes 1 into flag[f][r->j] for every peer j (fenced after earlier
+              copies on that stream, so whatever it copied to host memory is there first)
+  await(f):   rank r's stream writes 2f+1 into its status word ("waiting at f", for the watchdog),
+              waits until flag[f][j->r] == 1 for every peer j, writes 0 into each of those
+              (the reader resets what it consumed), then writes 2f+2 ("passed f")
+A barrier is arrive + await on one stream. An unpipelined call is B0 (previous call's reads done),
+payload out, B1 (payloads in), reads, and for two-shot B2 (reduced chunks in) and reads. A
+pipelined call (`pipeline.py`) is B0, then per piece an arrive on the device-to-host stream after
+that piece's copy and an await on the caller's stream before reading it.
+
+Why the reset by the reader is safe, and why a call needs B0 besides its arrivals, is in
+`communicator.py`; `tests/unit/test_collectives_protocol.py` checks both call shapes on every
+interleaving a random scheduler finds, with each stream's writes delivered late but in order.
 """
 
 from __future__ import annotations
@@ -18,19 +23,30 @@ from collections.abc import Callable
 
 from glmctl.collectives.cuda_driver import MemOp
 
+Flag = Callable[[int, int, int], int]  # flag(f, src, dst) -> address
 
-def barrier_memops(rank: int, world: int, b: int, flag: Callable[[int, int, int], int],
-                   status: int) -> list[MemOp]:
-    """`flag(b, src, dst)` is the device address of that flag; `status` of this rank's status word."""
+
+def arrive_memops(rank: int, world: int, f: int, flag: Flag) -> list[MemOp]:
+    return [MemOp("write", flag(f, rank, j), 1) for j in range(world) if j != rank]
+
+
+def await_memops(rank: int, world: int, f: int, flag: Flag, status: int) -> list[MemOp]:
     peers = [j for j in range(world) if j != rank]
-    ops = [MemOp("write", flag(b, rank, j), 1) for j in peers]
-    ops.append(MemOp("write", status, 2 * b + 1))
-    ops += [MemOp("wait", flag(b, j, rank), 1) for j in peers]
-    ops += [MemOp("write", flag(b, j, rank), 0) for j in peers]
-    ops.append(MemOp("write", status, 2 * b + 2))
+    ops = [MemOp("write", status, 2 * f + 1)]
+    ops += [MemOp("wait", flag(f, j, rank), 1) for j in peers]
+    ops += [MemOp("write", flag(f, j, rank), 0) for j in peers]
+    ops.append(MemOp("write", status, 2 * f + 2))
     return ops
 
 
-def waiting_barrier(status: int) -> int | None:
-    """The barrier a status word says the stream waits at, or None between barriers."""
+def barrier_memops(rank: int, world: int, b: int, flag: Flag, status: int) -> list[MemOp]:
+    """`flag(b, src, dst)` is the device address of that flag; `status` of this rank's status word."""
+    return arrive_memops(rank, world, b, flag) + await_memops(rank, world, b, flag, status)
+
+
+def waiting_flag(status: int) -> int | None:
+    """The flag id a status word says the stream waits at, or None between waits."""
     return (status - 1) // 2 if status % 2 == 1 else None
+
+
+waiting_barrier = waiting_flag  # barriers are the first flag ids

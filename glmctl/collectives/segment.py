@@ -11,8 +11,9 @@ Layout (bytes):
     0       header words (uint32): identity, abort word, per-rank host blocks (pid, state, barrier
             generation, capture count and digest)
     8192    GPU-written words, one 128-byte line per rank: status (+0) and progress (+64)
-    16384   barrier flags, one 64-byte line per (barrier, source rank, destination rank)
-    65536   data area: world slots of `capacity` bytes
+    16384   flags, one 64-byte line per (flag, source rank, destination rank): the BARRIERS
+            barrier flags, then the PIECE_FLAGS per-piece arrival flags of the pipelined paths
+    H       data area (H = `header_bytes(world)`, a multiple of 64 KiB): world slots of `capacity`
     ...     result area: `capacity` bytes
 """
 
@@ -31,12 +32,15 @@ import numpy as np
 from glmctl.collectives.errors import PeerLostError, SegmentError
 
 MAGIC = 0x474C4D43_4F4C4C31  # "GLMCOLL1"
-VERSION = 1
+VERSION = 2  # 2: per-piece flags after the barrier flags; the data area moved with world size
 MAX_WORLD = 16
 BARRIERS = 3
-HEADER_BYTES = 65536
+MAX_PIECES = 16  # pieces (slices) of one pipelined call; two-shot uses two flags per slice
+PIECE_FLAGS = 2 * MAX_PIECES
+FLAGS = BARRIERS + PIECE_FLAGS  # flag ids: barriers 0..BARRIERS-1, then piece flag p at BARRIERS + p
 GPU_WORDS_OFFSET = 8192
 FLAGS_OFFSET = 16384
+HEADER_ALIGN = 65536
 PREFIX = "glmctl-coll-"
 
 # header word indices
@@ -93,8 +97,13 @@ def sweep_stale(directory: Path | None = None) -> list[str]:
     return removed
 
 
+def header_bytes(world: int) -> int:
+    flags_end = FLAGS_OFFSET + FLAGS * world * world * 64
+    return -(-flags_end // HEADER_ALIGN) * HEADER_ALIGN
+
+
 def segment_bytes(world: int, capacity: int) -> int:
-    return HEADER_BYTES + (world + 1) * capacity
+    return header_bytes(world) + (world + 1) * capacity
 
 
 class SharedSegment:
@@ -240,16 +249,17 @@ class SharedSegment:
     def progress_offset(rank: int) -> int:
         return GPU_WORDS_OFFSET + 128 * rank + 64
 
-    def flag_offset(self, barrier: int, src: int, dst: int) -> int:
-        return FLAGS_OFFSET + ((barrier * self.world + src) * self.world + dst) * 64
+    def flag_offset(self, flag: int, src: int, dst: int) -> int:
+        """Flag ids: barrier b is `b`, piece flag p is `BARRIERS + p`."""
+        return FLAGS_OFFSET + ((flag * self.world + src) * self.world + dst) * 64
 
     @property
     def data_offset(self) -> int:
-        return HEADER_BYTES
+        return header_bytes(self.world)
 
     @property
     def result_offset(self) -> int:
-        return HEADER_BYTES + self.world * self.capacity
+        return self.data_offset + self.world * self.capacity
 
     # ---- rendezvous ---------------------------------------------------------------------------
     def host_barrier(self, timeout_s: float, what: str,

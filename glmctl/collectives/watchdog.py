@@ -1,9 +1,9 @@
 """Deadlines for waits the GPU does in a stream: a host thread that notices a lost peer and unblocks.
 
 A stream memory wait has no timeout of its own, so each rank runs this thread. It reads, from the
-shared segment, the rank's own status word (written by its GPU stream: `2b+1` on arriving at
-barrier b, `2b+2` after passing it), its progress word (bumped by the last kernel of every call),
-its incoming barrier flags, and every peer's pid and state. It declares the group broken when
+shared segment, the rank's own status word (written by its GPU stream: `2f+1` on starting to wait
+at flag f, a barrier or a piece of a pipelined call, `2f+2` after passing it), its progress word
+(bumped by the last kernel of every call), its incoming flags, and every peer's pid and state. It declares the group broken when
 
 - a peer process is gone (exited or a zombie) without closing its communicator: at once;
 - this rank waits at a barrier for a peer that closed its communicator: at once;
@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from glmctl.collectives.errors import CollectiveError, PeerLostError
-from glmctl.collectives.protocol import waiting_barrier
+from glmctl.collectives.protocol import waiting_flag
 from glmctl.collectives.segment import (
     BARRIERS,
+    FLAGS,
     R_PID,
     R_STATE,
     REASONS,
@@ -51,7 +52,7 @@ class Snapshot:
     rank: int
     status: int
     progress: int
-    incoming: tuple[tuple[int, ...], ...]  # incoming[b][j]: flag of barrier b from rank j
+    incoming: tuple[tuple[int, ...], ...]  # incoming[f][j]: flag f from rank j
     peers: tuple[Peer, ...]
     abort: tuple[int, int] | None
 
@@ -73,21 +74,25 @@ def diagnose(snap: Snapshot, unchanged_s: float, timeout_s: float) -> Verdict | 
         if p.rank != snap.rank and not p.closed and p.pid and not p.alive:
             return Verdict(p.rank, REASON_EXITED,
                            f"rank {p.rank} (pid {p.pid}) exited; the collective group is broken")
-    b = waiting_barrier(snap.status)
+    b = waiting_flag(snap.status)
     if b is None:
         return None
     pending = [j for j, flag in enumerate(snap.incoming[b]) if j != snap.rank and flag == 0]
     for j in pending:
         if snap.peers[j].closed:
             return Verdict(j, REASON_CLOSED,
-                           f"rank {snap.rank} waits at barrier {b} for rank {j}, which closed its "
+                           f"rank {snap.rank} waits at {_where(b)} for rank {j}, which closed its "
                            "communicator")
     if pending and unchanged_s >= timeout_s:
         j = pending[0]
         return Verdict(j, REASON_STALLED,
                        f"rank {j} (pid {snap.peers[j].pid}) made no progress for {unchanged_s:.1f} s: "
-                       f"rank {snap.rank} waits at barrier {b} for rank(s) {pending}")
+                       f"rank {snap.rank} waits at {_where(b)} for rank(s) {pending}")
     return None
+
+
+def _where(f: int) -> str:
+    return f"barrier {f}" if f < BARRIERS else f"piece flag {f - BARRIERS}"
 
 
 class StallClock:
@@ -112,7 +117,7 @@ def snapshot(seg: SharedSegment) -> Snapshot:
         alive = True if (j == me or closed or not pid) else pid_alive(pid)
         peers.append(Peer(j, pid, closed, alive))
     incoming = tuple(
-        tuple(seg.word_at(seg.flag_offset(b, j, me)) for j in range(seg.world)) for b in range(BARRIERS)
+        tuple(seg.word_at(seg.flag_offset(f, j, me)) for j in range(seg.world)) for f in range(FLAGS)
     )
     return Snapshot(
         rank=me,
@@ -160,10 +165,10 @@ class Watchdog:
     def release(self) -> None:
         """Satisfy every wait this rank's GPU has queued (abort mode only: it breaks single-writer)."""
         seg = self.seg
-        for b in range(BARRIERS):
+        for f in range(FLAGS):
             for j in range(seg.world):
                 if j != seg.rank:
-                    seg.set_word_at(seg.flag_offset(b, j, seg.rank), 1)
+                    seg.set_word_at(seg.flag_offset(f, j, seg.rank), 1)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -14,7 +14,7 @@ import sys
 
 from tests.conftest import REPO
 
-NAMES = ("glmctl.collectives.kernels", "glmctl.collectives.datapath")
+NAMES = ("glmctl.collectives.kernels", "glmctl.collectives.datapath", "glmctl.collectives.pipeline")
 
 
 def _triton_interpreted() -> bool:
@@ -25,7 +25,7 @@ def _triton_interpreted() -> bool:
 
 
 def load():
-    """(kernels, datapath) built for the interpreter, or None when that is impossible here."""
+    """(kernels, datapath, pipeline) built for the interpreter, or None when that is impossible."""
     if "triton" in sys.modules and not _triton_interpreted():
         return None
     saved = os.environ.get("TRITON_INTERPRET")
@@ -37,7 +37,7 @@ def load():
             if mod is None:
                 mod = importlib.import_module(name)
             elif type(getattr(mod, "_reduce_kernel", None)).__name__ == "JITFunction" or name.endswith(
-                    "datapath"):
+                    ("datapath", "pipeline")):
                 mod = importlib.reload(mod)
             mods.append(mod)
         return tuple(mods)
