@@ -10,10 +10,14 @@ import pytest
 
 from glmctl.collectives.errors import PeerLostError, SegmentError
 from glmctl.collectives.segment import (
+    FLAGS,
+    GPU_WORDS_OFFSET,
+    MAX_WORLD,
     R_PID,
     R_STATE,
     STATE_ATTACHED,
     SharedSegment,
+    header_bytes,
     pid_alive,
     segment_bytes,
     sweep_stale,
@@ -133,3 +137,19 @@ def test_space_check_names_the_fix(tmp_path, monkeypatch):
         SharedSegment.create("big", 2, CAP)
     assert "shm-size" in info.value.hint
     assert _names(tmp_path) == []
+
+
+@pytest.mark.parametrize("world", [2, 3, 8, MAX_WORLD])
+def test_every_flag_line_lies_between_the_gpu_words_and_the_data(world):
+    seg = SharedSegment.create(f"lay{world}", world, CAP)
+    try:
+        offsets = sorted(seg.flag_offset(f, s, d) for f in range(FLAGS) for s in range(world)
+                         for d in range(world))
+        assert len(set(offsets)) == FLAGS * world * world  # one 64-byte line each
+        assert offsets[0] >= GPU_WORDS_OFFSET + 128 * MAX_WORLD
+        assert offsets[-1] + 64 <= seg.data_offset == header_bytes(world)
+        assert seg.data_offset % 65536 == 0 and seg.size == segment_bytes(world, CAP)
+        assert seg.result_offset == seg.data_offset + world * CAP
+    finally:
+        seg.unlink()
+        seg.close()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from glmctl.collectives.protocol import waiting_barrier
-from glmctl.collectives.segment import R_PID, SharedSegment
+from glmctl.collectives.segment import BARRIERS, FLAGS, R_PID, SharedSegment
 from glmctl.collectives.watchdog import (
     REASON_CLOSED,
     REASON_EXITED,
@@ -40,6 +40,14 @@ def test_waiting_on_a_silent_peer_is_a_stall_only_after_the_timeout():
     v = diagnose(snap, unchanged_s=5.0, timeout_s=5)
     assert (v.culprit, v.reason) == (2, REASON_STALLED)
     assert "rank 2" in v.message and "barrier 0" in v.message
+
+
+def test_a_wait_at_a_piece_flag_names_the_piece():
+    incoming = [(0, 0, 0)] * FLAGS
+    incoming[BARRIERS + 5] = (0, 1, 0)  # piece flag 5: rank 1 raised it, rank 2 did not
+    snap = _snap(status=2 * (BARRIERS + 5) + 1, incoming=tuple(incoming))
+    v = diagnose(snap, unchanged_s=5.0, timeout_s=5)
+    assert v.culprit == 2 and "piece flag 5" in v.message
 
 
 def test_idle_ranks_are_never_stalled():
@@ -87,7 +95,7 @@ def seg(tmp_path, monkeypatch):
 
 def test_watchdog_declares_a_stall_and_releases_the_waits(seg):
     errors = []
-    seg.set_word_at(seg.status_offset(0), 3)  # rank 0's stream waits at barrier 1
+    seg.set_word_at(seg.status_offset(0), 2 * (BARRIERS + 7) + 1)  # waits at piece flag 7
     dog = Watchdog(seg, timeout_s=0.3, poll_s=0.01, on_error=errors.append)
     t0 = time.monotonic()
     dog.start()
@@ -98,7 +106,7 @@ def test_watchdog_declares_a_stall_and_releases_the_waits(seg):
         assert 0.3 <= time.monotonic() - t0 < 2
         assert errors == [dog.error]
         time.sleep(0.05)
-        assert all(seg.word_at(seg.flag_offset(b, 1, 0)) == 1 for b in range(3))
+        assert all(seg.word_at(seg.flag_offset(f, 1, 0)) == 1 for f in range(FLAGS))
         assert seg.abort == (1, REASON_STALLED)
     finally:
         dog.stop()
