@@ -2,16 +2,18 @@
 # The collectives' gpu lane and benchmark in one go (one device call). Run from the repository root
 # on a CUDA machine:  OUT=/some/dir bash bench/gpu/collectives.sh
 # Stages run under their own time limits and the script carries on after a failure, so one call
-# always brings back every log; the short table comes last.
+# always brings back every log; the short tables come last. Plain mode (COLL_MPS=0) stays under
+# ~200 s: smoke, the gpu tests (collectives + the vLLM call path of glmctl.plugin.communicator),
+# the benchmark with its pipelining A/B.
 set -u
 OUT=${OUT:-out/gpu-collectives}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1 GLMCTL_CACHE="$OUT/cache" GLMCTL_HARNESS_TRACEBACK_S=${GLMCTL_HARNESS_TRACEBACK_S:-100}
 PY=${PY:-python3}
-SMOKE_S=${COLL_SMOKE_S:-45}
-TEST_S=${COLL_TEST_S:-110}
-BENCH_S=${COLL_BENCH_S:-75}
+SMOKE_S=${COLL_SMOKE_S:-40}
+TEST_S=${COLL_TEST_S:-140}
+BENCH_S=${COLL_BENCH_S:-100}
 MPS_TEST_S=${COLL_MPS_TEST_S:-90}
 BENCH_MB=${COLL_BENCH_MAX_MB:-256}
 stage() { echo; echo "=== $1 ($(date +%T))"; }
@@ -44,7 +46,8 @@ limit() {
       stage "gpu tests"
       limit "$TEST_S" $PY -m pytest -q -rA -m gpu -p no:cacheprovider --timeout "$TEST_S" -s \
         tests/gpu/test_collectives_faults.py tests/gpu/test_collectives_graphs.py \
-        tests/gpu/test_collectives_correctness.py > "$OUT/gpu-tests.log" 2>&1
+        tests/gpu/test_collectives_correctness.py tests/gpu/test_commwire_vllm_path.py \
+        > "$OUT/gpu-tests.log" 2>&1
       echo "gpu tests rc=$?"; tail -n 40 "$OUT/gpu-tests.log"
     fi
     stage bench

@@ -114,7 +114,7 @@ class HostStagedCommunicator:
                  on_error: Callable[[CollectiveError], None] | None = None) -> None:
         import torch
 
-        self.disabled = True  # the vLLM CustomAllreduce duck interface
+        self.disabled = True  # until start-up completes, and after close()
         self.rank, self.world_size, self.max_bytes = rank, world_size, max_bytes
         self.int8_min_bytes, self.int8_group = int8_min_bytes, int8_group
         self.one_shot_max_bytes = one_shot_max_bytes
@@ -270,32 +270,7 @@ class HostStagedCommunicator:
         finally:
             self._teardown()
 
-    # ---- vLLM CustomAllreduce duck interface ---------------------------------------------------
-    def should_custom_ar(self, inp) -> bool:
-        return self._eligible(inp)
-
-    def custom_all_reduce(self, inp):
-        import torch
-
-        if not self._eligible(inp):
-            return None
-        # out of place: vLLM's all_reduce op promises torch.compile it leaves its input alone
-        return self.all_reduce(inp, out=torch.empty_like(inp))
-
-    def should_custom_all_gather(self, inp) -> bool:
-        return self._eligible(inp)
-
-    def custom_all_gather(self, inp):
-        return self.all_gather(inp, 0) if self._eligible(inp) else None
-
     # ---- internals ----------------------------------------------------------------------------
-    def _eligible(self, inp) -> bool:
-        import torch
-
-        return (not self.disabled and inp.is_cuda and inp.is_contiguous() and inp.numel() > 0
-                and inp.dtype in (torch.bfloat16, torch.float16, torch.float32)
-                and inp.numel() * inp.element_size() <= self.max_bytes)
-
     def _check(self, tensor):
         import torch
 

@@ -39,8 +39,9 @@ GROUPS_ALLOWED = (32, 64, 128, 256)
 DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 DEFAULT_BAND_BYTES = 1024 * 1024
 SCALE_BYTES = 4
-# Pipelining: pieces of about 2 MiB (two-shot: slices of world x 512 KiB), 2 to 16 of them. Smaller
-# pieces overlap more of the two copy directions but pay more per-copy and per-flag overhead.
+# Pipelining: pieces of about 2 MiB (two-shot: slices of world x 512 KiB), 2 to 16 of them, for
+# payloads of at least one piece. Smaller pieces overlap more of the two copy directions but pay
+# more per-copy and per-flag overhead.
 DEFAULT_PIECE_BYTES = 2 * 1024 * 1024
 MAX_PIECES = 16
 
@@ -194,7 +195,8 @@ def plan_all_reduce(
     """One-shot (every rank reads every slot and reduces all of it) while the message is small or
     there are only two ranks (two-shot moves the same bytes then, with one more barrier); above
     that, reduce-scatter + all-gather, which reads 2(n-1)/n of the message instead of n-1.
-    Pipelined when both directions use the copy engine and `piece_bytes` > 0."""
+    Pipelined when both directions use the copy engine and the payload is at least `piece_bytes`
+    (0: never)."""
     nbytes = numel * elem_bytes
     two_shot = world > 2 and nbytes > one_shot_max_bytes
     chunks = world if two_shot else 1
@@ -212,7 +214,7 @@ def plan_all_reduce(
     payload = layout.total_bytes if layout else nbytes
     d2h, h2d = engines.d2h(payload), engines.h2d(payload * (world - 1))
     pieces = 0
-    if piece_bytes > 0 and d2h == "ce" and h2d == "ce":
+    if 0 < piece_bytes <= payload and d2h == "ce" and h2d == "ce":
         if two_shot:
             pieces = pieces_for(payload, max(piece_bytes, world * piece_bytes // 4))
             if int8:
@@ -261,7 +263,7 @@ def plan_all_gather(
     payload = layout.total_bytes if layout else numel * elem_bytes
     d2h, h2d = engines.d2h(payload), engines.h2d(payload * (world - 1))
     chunk, pieces = numel, 0
-    if piece_bytes > 0 and d2h == "ce" and h2d == "ce":
+    if 0 < piece_bytes <= payload and d2h == "ce" and h2d == "ce":
         pieces = pieces_for(payload, piece_bytes)
         if int8:
             layout = int8_layout(numel, pieces, group)

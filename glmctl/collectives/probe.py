@@ -39,51 +39,66 @@ def graph_time_us(op, calls: int, replays: int) -> float:
 
 
 def time_collectives(rank: int, world: int, session: str, sizes: list[int],
-                     shared_gpu: bool = False) -> list[dict]:
-    """One rank's timings. Sizes are messages: the all-reduce input, the all-gather output (bf16)."""
+                     shared_gpu: bool = False, piece_sweep: tuple[list[int], list[int]] | None = None,
+                     ) -> list[dict]:
+    """One rank's timings. Sizes are messages: the all-reduce input, the all-gather output (bf16).
+    `piece_sweep` = (sizes, piece sizes in bytes, 0 = unpipelined): bf16 all-reduce and all-gather
+    again at each piece size (rows with "piece_bytes"), to measure what pipelining buys."""
     import torch
 
     torch.cuda.set_device(0 if shared_gpu else rank)
     from glmctl.collectives.communicator import HostStagedCommunicator
 
     comm = HostStagedCommunicator(rank, world, session, max(sizes), timeout_s=60)
+    cases = [(op, int8, size, None) for op, int8 in VARIANTS for size in sizes]
+    if piece_sweep is not None:
+        cases += [(op, False, size, pb) for op in ("all_reduce", "all_gather")
+                  for size in piece_sweep[0] for pb in piece_sweep[1]]
+    default_pieces = comm.piece_bytes
     rows = []
     try:
-        for op, int8 in VARIANTS:
-            for size in sizes:
-                per_rank = size if op == "all_reduce" else size // world
-                numel = per_rank // 2
-                g = torch.Generator(device="cuda")
-                g.manual_seed(rank * 7919 + size)
-                x = torch.randn(numel, generator=g, device="cuda").to(torch.bfloat16)
-                out = torch.empty_like(x)
-                if op == "all_reduce":
-                    def call(x=x, out=out, int8=int8):
-                        comm.all_reduce(x, out=out, int8=int8)
-                else:
-                    def call(x=x, int8=int8):
-                        comm.all_gather(x, 0, int8=int8)
-                plan = comm.plan(op, x, int8)
-                calls, replays = (20, 5) if size <= MiB else (4, 3) if size <= 16 * MiB else (1, 3)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    call()
-                    call()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                comm._seg.host_barrier(60, "timing case start")
-                with comm.capture():
-                    us = graph_time_us(call, calls, replays)
-                rows.append({"op": op, "int8": int8, "size": size, "us": us,
-                             "algorithm": plan.algorithm, "d2h": plan.d2h, "h2d": plan.h2d,
-                             "payload_bytes_d2h": plan.bytes_moved()[0],
-                             "payload_bytes_h2d": plan.bytes_moved()[1]})
-                del x, out
-                torch.cuda.empty_cache()
+        for op, int8, size, piece_bytes in cases:
+            comm.piece_bytes = default_pieces if piece_bytes is None else piece_bytes
+            rows.append(_time_case(comm, rank, op, int8, size, world))
+            torch.cuda.empty_cache()  # the case's tensors are gone with its frame
+            if piece_bytes is not None:
+                rows[-1]["piece_bytes"] = piece_bytes
     finally:
         comm.close()
     return rows
+
+
+def _time_case(comm, rank: int, op: str, int8: bool, size: int, world: int) -> dict:
+    import torch
+
+    per_rank = size if op == "all_reduce" else size // world
+    numel = per_rank // 2
+    g = torch.Generator(device="cuda")
+    g.manual_seed(rank * 7919 + size)
+    x = torch.randn(numel, generator=g, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(x)
+    if op == "all_reduce":
+        def call():
+            comm.all_reduce(x, out=out, int8=int8)
+    else:
+        def call():
+            comm.all_gather(x, 0, int8=int8)
+    plan = comm.plan(op, x, int8)
+    calls, replays = (20, 5) if size <= MiB else (4, 3) if size <= 16 * MiB else (1, 3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    comm._seg.host_barrier(60, "timing case start")
+    with comm.capture():
+        us = graph_time_us(call, calls, replays)
+    row = {"op": op, "int8": int8, "size": size, "us": us, "algorithm": plan.algorithm,
+           "d2h": plan.d2h, "h2d": plan.h2d, "pieces": plan.pieces,
+           "payload_bytes_d2h": plan.bytes_moved()[0], "payload_bytes_h2d": plan.bytes_moved()[1]}
+    return row
 
 
 def measure(ranks: int, sizes: list[int], timeout_s: float = 600) -> list[dict]:

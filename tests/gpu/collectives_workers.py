@@ -47,13 +47,13 @@ def _communicator(rank, world, session, max_bytes, **kw):
 
 
 def correctness(rank: int, world: int, session: str, cases: list[dict], max_bytes: int) -> list[dict]:
-    """Run every case (op, dtype, numel, int8, engines, one_shot_max_bytes, dim) and report, per
-    case, the error against an fp64 sum (or exact concatenation) and a checksum of the output."""
+    """Run every case (op, dtype, numel, int8, engines, one_shot_max_bytes, piece_bytes, dim) and
+    report, per case, the error against an fp64 sum (or exact concatenation) and a checksum."""
     torch = _torch()
     from glmctl.collectives import CopyEngines
 
     comm = _communicator(rank, world, session, max_bytes, timeout_s=30)
-    calibrated = comm.copy_engines
+    calibrated, pieces = comm.copy_engines, comm.piece_bytes
     rows = []
     try:
         for i, case in enumerate(cases):
@@ -62,6 +62,7 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
             eng = case["engines"]
             comm.copy_engines = calibrated if eng == "auto" else CopyEngines.uniform(eng)
             comm.one_shot_max_bytes = case.get("one_shot_max_bytes", 256 * 1024)
+            comm.piece_bytes = case.get("piece_bytes", pieces)
             seeds = [1_000_003 * (i + 1) + j for j in range(world)]
             inputs = [gen(s, numel, dtype) for s in seeds]
             x = inputs[rank].clone()
@@ -92,7 +93,7 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
                 err = (diff.abs() / tol).max().item()
                 ok = err <= 1.0
             rows.append({"i": i, "ok": ok, "err": err, "algorithm": plan.algorithm,
-                         "d2h": plan.d2h, "h2d": plan.h2d, "in_place": in_place,
+                         "d2h": plan.d2h, "h2d": plan.h2d, "pieces": plan.pieces, "in_place": in_place,
                          "shape": list(out.shape), "checksum": checksum(out)})
             del inputs, x, out, ref, diff
     finally:

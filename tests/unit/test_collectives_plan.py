@@ -65,7 +65,7 @@ def test_pipelined_pieces_tile_the_message(op, numel, world, int8):
     boundaries, number 1..MAX_PIECES, and INT8 records keep the message's 128-element groups."""
     if op == "two_shot" and world == 2:
         return
-    kw = dict(int8=int8, engines=CopyEngines.uniform("ce"), piece_bytes=64 * 1024)
+    kw = dict(int8=int8, engines=CopyEngines.uniform("ce"), piece_bytes=1024)
     p = (plan_all_gather(numel, 2, world, **kw) if op == "gather" else
          plan_all_reduce(numel, 2, world, one_shot_max_bytes=0 if op == "two_shot" else 1 << 40, **kw))
     assert p.algorithm == op and 1 <= p.pieces <= MAX_PIECES
@@ -79,7 +79,7 @@ def test_pipelined_pieces_tile_the_message(op, numel, world, int8):
     if op == "two_shot":
         slices = [p.slice_span(s) for s in range(p.pieces)]
         assert sum(n for _, n in slices) == numel
-    if numel > MAX_PIECES * 64 * 1024 and not int8:
+    if numel > MAX_PIECES * 1024 and not int8:
         assert p.pieces == MAX_PIECES
     unpiped = (plan_all_gather(numel, 2, world, int8=int8) if op == "gather" else
                plan_all_reduce(numel, 2, world, int8=int8, piece_bytes=0,
@@ -95,6 +95,9 @@ def test_pipelining_only_on_the_copy_engine_both_ways():
     mixed = CopyEngines(d2h_large="sm")
     assert plan_all_reduce(4 * MiB, 2, 2, engines=mixed).pieces == 0
     assert plan_all_reduce(1024, 2, 2).pieces == 0  # small messages: SM reads, one pass
+    ce = CopyEngines.uniform("ce")
+    assert plan_all_reduce(MiB // 2 - 1, 2, 2, engines=ce).pieces == 0  # under one piece
+    assert plan_all_reduce(MiB // 2, 2, 2, engines=ce, piece_bytes=MiB).pieces == 2
     assert plan_all_reduce(1 << 30, 2, 2).pieces == MAX_PIECES
 
 
