@@ -3,8 +3,8 @@
 # on a CUDA machine:  OUT=/some/dir bash bench/gpu/collectives.sh
 # Stages run under their own time limits and the script carries on after a failure, so one call
 # always brings back every log; the short tables come last. Plain mode (COLL_MPS=0) stays under
-# ~200 s: smoke, the gpu tests (collectives + the vLLM call path of glmctl.plugin.communicator),
-# the benchmark with its pipelining A/B.
+# ~200 s: smoke (COLL_SMOKE=0 skips it), the gpu tests (collectives + the vLLM call path of
+# glmctl.plugin.communicator), the benchmark with its pipelining A/B.
 set -u
 OUT=${OUT:-out/gpu-collectives}
 mkdir -p "$OUT"
@@ -40,8 +40,10 @@ limit() {
   echo "MPS control: ${MPS:-none}"
   # COLL_PLAIN=0 skips the runs without MPS, unless there is no MPS to run instead
   if [ "${COLL_PLAIN:-1}" = 1 ] || [ -z "$MPS" ]; then
-    stage smoke
-    limit "$SMOKE_S" $PY bench/gpu/collectives_smoke.py; echo "smoke rc=$?"
+    if [ "${COLL_SMOKE:-1}" = 1 ]; then
+      stage smoke
+      limit "$SMOKE_S" $PY bench/gpu/collectives_smoke.py; echo "smoke rc=$?"
+    fi
     if [ "${COLL_TESTS:-1}" = 1 ]; then
       stage "gpu tests"
       limit "$TEST_S" $PY -m pytest -q -rA -m gpu -p no:cacheprovider --timeout "$TEST_S" -s \

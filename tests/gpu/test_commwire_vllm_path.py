@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_vllm_call_path_is_exact_and_replays(world):
-    results = run_ranks(vllm_path, world, 100, timeout_s=240)
+    results = run_ranks(vllm_path, world, 50, timeout_s=120)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error}"
     values = [r.value for r in results]
