@@ -33,8 +33,10 @@ for s in $stages; do
     doctor)      run_stage doctor 120 env GLMCTL_DOCTOR_RECORD="$OUT/doctor-h200.json" \
                    GLMCTL_DOCTOR_WHERE="1x H200 (device tool, Firecracker VM), gpu lane" \
                    python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_doctor_gpu.py ;;
-    plugin)      run_stage plugin 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-                   $(ls tests/gpu/test_plugin_*.py 2>/dev/null) ;;
+    plugin)      files=$(ls tests/gpu/test_plugin_*.py 2>/dev/null)
+                 if [ -n "$files" ]; then
+                   run_stage plugin 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu $files
+                 else summary+=("plugin: no tests/gpu/test_plugin_*.py"); fi ;;
     kernels)     run_stage kernels 200 env TEST_SECONDS=120 BENCH_SECONDS=60 OUT="$OUT/kernels" \
                    bash bench/gpu/kernels.sh ;;
     *) echo "unknown stage $s"; summary+=("$s unknown") ;;
