@@ -15,8 +15,9 @@ logger = logging.getLogger("vllm.glmctl")
 
 
 def update_glm5_next_config(vllm_config, stock, target: Target | None) -> None:
-    if target is Target.TORCH:
-        # The model registers tilelang (mHC) and Triton JIT warmups; neither exists on CPU.
+    if target is Target.TORCH or not _tilelang_installed():
+        # The model registers tilelang (mHC) JIT warmups (and Triton ones); tilelang is
+        # optional on CUDA and neither exists on CPU.
         vllm_config.kernel_config.enable_jit_warmup = False
     stock(vllm_config)
     if target is Target.TORCH:
@@ -44,3 +45,9 @@ def _fix_cpu_cache_config(vllm_config) -> None:
     if not cache_config.enable_prefix_caching and not cache_config.user_specified_mamba_block_size:
         cache_config.mamba_cache_mode = "none"
         cache_config.mamba_block_size = model_config.max_model_len
+
+
+def _tilelang_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tilelang") is not None

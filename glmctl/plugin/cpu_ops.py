@@ -7,8 +7,7 @@ changes, so its data flow, caches and metadata stay vLLM's own.
 
   KDA          chunked prefill, recurrent decode and MTP verify, state gather/scatter, the conv
                decode update (vLLM's C++ one needs a bf16-prepacked weight; we keep fp32)
-  mHC          vLLM CPU's mHC pre ops accept the input-norm weight and drop it, so the layer
-               norms are silently skipped (numerics off by O(1)); we apply them
+  (mHC: see `glmctl.plugin.mhc`, installed on every target)
   q/kv norm    the fused Triton q_a/kv_a RMSNorm
   indexer      Hadamard+FP8 query quantisation and three `torch.compile` helpers (eager)
   MTP          the fused Triton embed/hidden norm of the draft layer
@@ -27,15 +26,14 @@ def install() -> list[str]:
     from glmctl.plugin import cpu_metadata
 
     _install_kda()
-    _install_mhc_norm()
     _install_mla_q_kv_norm()
     _install_indexer_helpers()
     _install_mtp_norm()
     _install_eagle_step_kernel()
     _install_greedy_rejection()
     cpu_metadata.install()
-    return ["KDA/conv (torch)", "mHC norm fix", "q/kv RMSNorm", "indexer q-quant + metadata",
-            "MTP eh-norm"]
+    return ["KDA/conv (torch)", "q/kv RMSNorm", "indexer q-quant + metadata", "MTP eh-norm",
+            "MTP verify (torch)"]
 
 
 # -- KDA ----------------------------------------------------------------------------------------
@@ -110,39 +108,6 @@ def _install_kda() -> None:
 
     layer_cls.__init__ = __init__
     layer_cls._glmctl_wrapped = True
-
-
-# -- mHC ----------------------------------------------------------------------------------------
-
-
-def _install_mhc_norm() -> None:
-    from vllm.model_executor.custom_op import op_registry_oot
-    from vllm.model_executor.layers.mhc import MHCFusedPostPreOp, MHCPreOp, _apply_mhc_norm
-
-    class GlmctlMHCPreOp(MHCPreOp):
-        def forward_cpu(self, residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
-                        hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits=1,
-                        norm_weight=None, norm_eps=0.0):
-            post, comb, layer_input = super().forward_cpu(
-                residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-                hc_post_mult_value, sinkhorn_repeat, n_splits,
-            )
-            return post, comb, _apply_mhc_norm(layer_input, norm_weight, norm_eps)
-
-    class GlmctlMHCFusedPostPreOp(MHCFusedPostPreOp):
-        def forward_cpu(self, x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base,
-                        rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-                        sinkhorn_repeat, n_splits=1, tile_n=1, norm_weight=None, norm_eps=0.0):
-            residual_cur, post, comb, layer_input = super().forward_cpu(
-                x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps,
-                hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits,
-                tile_n,
-            )
-            return residual_cur, post, comb, _apply_mhc_norm(layer_input, norm_weight, norm_eps)
-
-    for stock, ours in ((MHCPreOp, GlmctlMHCPreOp), (MHCFusedPostPreOp, GlmctlMHCFusedPostPreOp)):
-        if stock.__name__ not in op_registry_oot:
-            stock.register_oot(ours)
 
 
 # -- MLA q/kv RMSNorm ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ vLLM's metadata onto them.
 from __future__ import annotations
 
 import torch
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.sparse_attn_indexer_kpool import SparseAttnIndexerKpool
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
@@ -62,6 +63,13 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
 
     def _forward_kpool(self, hidden_states, q_quant, k, weights, *, gate_score=None,
                        compress_ape=None, index_kpool=1, positions=None):
+        # Like vLLM's own indexer op: under breakable CUDA-graph capture this runs eagerly (its
+        # per-batch branches and prefill chunking are host-side); it writes in place.
+        return _run_eagerly_under_capture(self, hidden_states, q_quant, k, weights, gate_score,
+                                          compress_ape, index_kpool, positions)
+
+    def _run(self, hidden_states, q_quant, k, weights, gate_score, compress_ape, index_kpool,
+             positions):
         buffer = self.topk_indices_buffer
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict):
@@ -107,7 +115,15 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
         n = meta.num_decode_tokens
         if n == 0 or tail_meta is None:
             return
-        grouped = _group_by_request(meta.decode.per_req_decode_lens, meta.num_decodes, n)
+        decode, batch = meta.decode, meta.num_decodes
+        if decode.decode_is_uniform and n == batch * decode.write_max_decode_len:
+            width = decode.write_max_decode_len  # uniform batch: views, no host sync
+
+            def grouped(values, _pad):
+                return values.reshape(batch, width, *values.shape[1:])
+        else:
+            grouped = _group_by_request(decode.per_req_decode_lens, batch, n,
+                                        width=decode.write_max_decode_len)
         self.kernels.decode_update(
             self.k_cache.kv_cache,
             self.tail_cache.kv_cache,
@@ -147,7 +163,9 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
         buffer, topk = self.topk_indices_buffer, self.topk_tokens
         decode = meta.decode
         n = meta.num_decode_tokens
-        if meta.max_seq_len <= topk:
+        # Short contexts select every token; the full path gives the same set, so a captured
+        # graph (whose host branches are frozen) always takes the full path.
+        if meta.max_seq_len <= topk and not _capturing():
             _fill_causal(buffer[:n], positions[:n])
             return
         lens = decode.decode_lens
@@ -178,6 +196,17 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
         else:
             self.kernels.topk(logits, seq_tokens, buffer[:n], kpool=kpool,
                               select_pools=topk // kpool)
+
+
+@eager_break_during_capture
+def _run_eagerly_under_capture(op, hidden_states, q_quant, k, weights, gate_score, compress_ape,
+                               index_kpool, positions):
+    return op._run(hidden_states, q_quant, k, weights, gate_score, compress_ape, index_kpool,
+                   positions)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _fill_causal(rows: torch.Tensor, positions: torch.Tensor) -> None:

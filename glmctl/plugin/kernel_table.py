@@ -81,14 +81,58 @@ def _out_allocating(kernel):
 
 
 def _use_triton_indexer(table: SimpleNamespace) -> None:
-    """Triton indexer kernels where `glmctl.kernels` has them; vLLM's kpool writes otherwise."""
-    import importlib
+    """CUDA: glmctl's Triton logits and top-k; vLLM's own Triton kpool cache writes (they need
+    nothing newer than sm_80 and keep the cache bit-identical to vLLM's GPU path)."""
+    import torch
 
-    for attr, module, name in (
-        ("logits_ragged", "glmctl.kernels.indexer_logits_ragged", "indexer_logits_ragged"),
-        ("logits_paged", "glmctl.kernels.indexer_logits_paged", "indexer_logits_paged"),
-        ("topk", "glmctl.kernels.kpool_topk", "kpool_topk"),
-    ):
-        fn = getattr(importlib.import_module(module), name, None)
-        if fn is not None:
-            setattr(table, attr, fn)
+    from glmctl.kernels.indexer_logits_paged import indexer_logits_paged
+    from glmctl.kernels.indexer_logits_ragged import indexer_logits_ragged
+    from glmctl.kernels.kpool_topk import kpool_topk
+
+    def logits_ragged(q_fp8, weights, k_fp8, k_scale, row_starts, row_ends):
+        out = torch.empty((q_fp8.shape[0], k_fp8.shape[0]), dtype=torch.float32,
+                          device=q_fp8.device)
+        return indexer_logits_ragged(q_fp8.contiguous(), weights.contiguous(), k_fp8, k_scale,
+                                     row_starts, row_ends, out)
+
+    def logits_paged(q_fp8, weights, kv_cache, block_table, context_lens):
+        width = block_table.shape[1] * kv_cache.shape[1]
+        out = torch.empty((q_fp8.shape[0] * q_fp8.shape[1], width), dtype=torch.float32,
+                          device=q_fp8.device)
+        return indexer_logits_paged(q_fp8.contiguous(), weights.contiguous(), kv_cache,
+                                    block_table, context_lens.contiguous(), out)
+
+    table.logits_ragged = logits_ragged
+    table.logits_paged = logits_paged
+    table.topk = kpool_topk
+    table.prefill_write, table.tail_seed, table.decode_update = _vllm_kpool_writes()
+
+
+def _vllm_kpool_writes():
+    import torch
+    from vllm.models.glm5next.nvidia.ops import kpool_compress as ops
+
+    def prefill_write(kv_cache, k, gate, ape, slot_mapping, kpool):
+        n = slot_mapping.shape[0]
+        if n < kpool:
+            return
+        pos = torch.arange(n, device=k.device)
+        write = (slot_mapping >= 0) & (pos >= kpool - 1)
+        window = (pos - (kpool - 1)).clamp_min(0)[:, None] + torch.arange(kpool, device=k.device)
+        ops.kpool_compress_and_write_cache(
+            kv_cache, k[window], gate[window], ape, slot_mapping.to(torch.int64), pool_size=kpool,
+            head_dim=k.shape[-1], write_mask=write, round_scale=True,
+        )
+
+    def tail_seed(tail_cache, k, gate, tail_slots, kpool):
+        ops.kpool_seed_tail_cache(tail_cache, k.contiguous(), gate.contiguous(), tail_slots, kpool,
+                                  k.shape[-1])
+
+    def decode_update(kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions,
+                      kpool):
+        ops.kpool_decode_update_and_maybe_write_cache_batched(
+            kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions, kpool,
+            k.shape[-1], round_scale=True,
+        )
+
+    return prefill_write, tail_seed, decode_update

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.v1.attention.backend import (
@@ -30,6 +29,7 @@ from vllm.v1.attention.backend import (
 )
 
 from glmctl.plugin.kernel_table import sparse_mla_kernels
+from glmctl.plugin.sparse_mla_compute import request_ids_per_token, sparse_mla_forward
 
 BACKEND_NAME = "GLMCTL_SPARSE_MLA"
 
@@ -104,11 +104,8 @@ class GlmctlSparseMLAMetadataBuilder(AttentionMetadataBuilder[GlmctlSparseMLAMet
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GlmctlSparseMLAMetadata:
         cm = common_attn_metadata
-        starts = np.asarray(cm.query_start_loc_cpu, dtype=np.int64)
-        req_ids = np.repeat(np.arange(len(starts) - 1, dtype=np.int32), np.diff(starts))
         # Padded (graph) tokens keep request 0; their top-k rows are -1 and never read.
-        self.req_id_per_token.zero_()
-        self.req_id_per_token[: req_ids.shape[0]].copy_(torch.from_numpy(req_ids), non_blocking=True)
+        req_ids = request_ids_per_token(cm.query_start_loc_cpu, self.req_id_per_token)
         return GlmctlSparseMLAMetadata(
             num_reqs=cm.num_reqs,
             max_query_len=cm.max_query_len,
@@ -117,7 +114,7 @@ class GlmctlSparseMLAMetadataBuilder(AttentionMetadataBuilder[GlmctlSparseMLAMet
             query_start_loc=cm.query_start_loc,
             slot_mapping=cm.slot_mapping,
             block_table=cm.block_table_tensor,
-            req_id_per_token=self.req_id_per_token[: cm.num_actual_tokens],
+            req_id_per_token=req_ids,
             block_size=self.kv_cache_spec.block_size,
             topk_tokens=self.topk_tokens,
             num_decodes=cm.num_reqs,
@@ -156,10 +153,7 @@ class GlmctlSparseMLAImpl(MLAAttentionImpl[GlmctlSparseMLAMetadata], SharedTopkI
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata: GlmctlSparseMLAMetadata, layer):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1) if q[1].shape[-1] else q[0]
-        num_tokens = q.shape[0]
-        cache = kv_c_and_k_pe_cache
-        rows = self.kernels.rows(
-            self.topk_indices_buffer[:num_tokens], attn_metadata.req_id_per_token[:num_tokens],
-            attn_metadata.block_table, attn_metadata.block_size, cache.stride(0) // cache.stride(1),
+        return sparse_mla_forward(
+            q, kv_c_and_k_pe_cache, self.topk_indices_buffer, attn_metadata.req_id_per_token,
+            attn_metadata.block_table, attn_metadata.block_size, self.scale, self.kernels,
         )
-        return self.kernels.attention(q, cache, rows, self.scale)
