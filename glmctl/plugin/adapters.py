@@ -15,7 +15,8 @@ def install(target: Target) -> list[str]:
     from glmctl.plugin import mhc, model_hooks, mtp
 
     installed = [_install_backend_selection(), _register_indexer(), model_hooks.install(),
-                 mtp.install(), mhc.install(), _install_fp8_kv_layout()]
+                 mtp.install(), mhc.install(), _install_fp8_kv_layout(),
+                 _install_kpool_block_alignment()]
     if target is Target.TORCH:
         from glmctl.plugin import cpu_ops
 
@@ -82,3 +83,30 @@ def _register_indexer() -> str:
     if SparseAttnIndexerKpool.__name__ not in op_registry_oot:
         SparseAttnIndexerKpool.register_oot(GlmctlKpoolIndexer)
     return "kpool indexer"
+
+
+def _install_kpool_block_alignment() -> str:
+    """vLLM's hook for the indexer's block-size multiple (`_get_indexer_block_alignment`, used
+    when it sizes hybrid blocks) knows only the 32 * kpool page rule; the kpool tail page must
+    also fit the indexer page (`policy.kpool_block_size`), else vLLM asserts on small models."""
+    from vllm.platforms import current_platform
+
+    from glmctl.plugin.policy import kpool_block_size
+
+    platform_cls = type(current_platform)
+    stock = platform_cls._get_indexer_block_alignment
+    if getattr(stock, "_glmctl", False):
+        return "kpool block size"
+
+    def _get_indexer_block_alignment(cls, vllm_config):
+        text = vllm_config.model_config.hf_text_config
+        kpool = getattr(text, "index_kpool", None)
+        if not getattr(text, "index_topk", None) or not kpool or kpool <= 1:
+            return stock(vllm_config)
+        ours = kpool_block_size(1, kpool, getattr(text, "index_head_dim", None) or 128)
+        theirs = stock(vllm_config) or 1
+        return max(ours, theirs) if max(ours, theirs) % min(ours, theirs) == 0 else ours * theirs
+
+    _get_indexer_block_alignment._glmctl = True
+    platform_cls._get_indexer_block_alignment = classmethod(_get_indexer_block_alignment)
+    return "kpool block size"
