@@ -57,7 +57,6 @@ from glmctl.collectives.errors import CaptureMismatchError, CollectiveError, Seg
 from glmctl.collectives.plan import (
     DEFAULT_GROUP,
     DEFAULT_ONE_SHOT_MAX_BYTES,
-    DEFAULT_PIECE_BYTES,
     MAX_PIECES,
     CollectivePlan,
     CopyEngines,
@@ -87,9 +86,18 @@ def default_timeout_s() -> float:
 
 
 def default_piece_bytes() -> int:
-    """GLMCTL_COLLECTIVES_PIECE_KIB (0: no pipelining), for measuring; else DEFAULT_PIECE_BYTES."""
+    """Pipelining piece size from GLMCTL_COLLECTIVES_PIECE_KIB (2048 = plan.DEFAULT_PIECE_BYTES);
+    unset or 0: no pipelining, the default.
+
+    Off by default because it has only been measured with ranks time-slicing one H200, where each
+    piece's hand-off between processes pays a context switch: at 8 MiB it was 1.7x (2 ranks) and
+    11x (4 ranks) slower than unpipelined, and 1,000 graph replays at 4 ranks took 81 s instead of
+    9 s (bench/results/collectives-h200-pipelined.md vs collectives-h200.md). With one process per
+    GPU (the product) that cost does not exist; turn it on there once bench/multigpu.sh has
+    measured it on separate GPUs (issue 12).
+    """
     raw = os.environ.get("GLMCTL_COLLECTIVES_PIECE_KIB", "").strip()
-    return int(float(raw) * 1024) if raw else DEFAULT_PIECE_BYTES
+    return int(float(raw) * 1024) if raw else 0
 
 
 class HostStagedCommunicator:

@@ -137,3 +137,13 @@ def test_int8_rule():
 def test_int8_layout_rejects_odd_groups():
     with pytest.raises(ValueError):
         int8_layout(100, 1, 100)
+
+
+def test_pipelining_is_off_unless_asked(monkeypatch):
+    """Measured slower on ranks sharing one GPU; opt-in until measured on separate GPUs."""
+    from glmctl.collectives.communicator import default_piece_bytes
+
+    monkeypatch.delenv("GLMCTL_COLLECTIVES_PIECE_KIB", raising=False)
+    assert default_piece_bytes() == 0
+    monkeypatch.setenv("GLMCTL_COLLECTIVES_PIECE_KIB", "2048")
+    assert default_piece_bytes() == 2 * MiB
