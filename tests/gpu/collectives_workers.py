@@ -13,10 +13,19 @@ DTYPES = ("bfloat16", "float16", "float32")
 ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-10, "float32": 2.0**-22}
 
 
-def _torch():
+_DEVICE: int | None = None
+
+
+def _torch(rank: int | None = None):
+    """torch with this process's GPU chosen once: GPU 0 (the ranks share one GPU), or with
+    GLMCTL_COLLECTIVES_SPREAD=1 GPU `rank % device_count` (one process per GPU: bench/multigpu.sh)."""
+    global _DEVICE
     import torch
 
-    torch.cuda.set_device(0)
+    if _DEVICE is None or rank is not None:
+        spread = os.environ.get("GLMCTL_COLLECTIVES_SPREAD") == "1" and rank is not None
+        _DEVICE = rank % torch.cuda.device_count() if spread else (_DEVICE or 0)
+        torch.cuda.set_device(_DEVICE)
     return torch
 
 
@@ -40,7 +49,7 @@ def checksum(t) -> int:
 
 
 def _communicator(rank, world, session, max_bytes, **kw):
-    _torch()
+    _torch(rank)
     from glmctl.collectives import HostStagedCommunicator
 
     return HostStagedCommunicator(rank, world, session, max_bytes, **kw)
@@ -49,7 +58,7 @@ def _communicator(rank, world, session, max_bytes, **kw):
 def correctness(rank: int, world: int, session: str, cases: list[dict], max_bytes: int) -> list[dict]:
     """Run every case (op, dtype, numel, int8, engines, one_shot_max_bytes, piece_bytes, dim) and
     report, per case, the error against an fp64 sum (or exact concatenation) and a checksum."""
-    torch = _torch()
+    torch = _torch(rank)
     from glmctl.collectives import CopyEngines
 
     comm = _communicator(rank, world, session, max_bytes, timeout_s=30)
@@ -105,7 +114,7 @@ def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
     """Capture one graph holding five collectives (one-shot and two-shot bf16 all-reduce, INT8
     all-reduce, fp16 all-gather along the last dim, INT8 all-gather), then replay it `replays`
     times with fresh inputs written into the static buffers before every replay."""
-    torch = _torch()
+    torch = _torch(rank)
     comm = _communicator(rank, world, session, 4 * MiB, timeout_s=30)
     specs = {  # name: (numel, dtype)
         "ar_small": (16384, torch.bfloat16),
@@ -171,7 +180,7 @@ def lose_a_rank(rank: int, world: int, session: str, victim: int, mode: str,
                 timeout_s: float) -> dict:
     """All ranks run a few all-reduces; then the victim dies (mode "kill": SIGKILL) or goes silent
     ("stall": sleeps past the timeout). The others keep calling all_reduce until one raises."""
-    torch = _torch()
+    torch = _torch(rank)
     from glmctl.collectives import CollectiveError
 
     comm = _communicator(rank, world, session, MiB, timeout_s=timeout_s)
