@@ -2,7 +2,7 @@
 # Every gpu-lane stage in one device call, for the index-less H200 test machine.
 #
 #   here:   ../shared/tools/gpu-wheels.sh          (.whl/: exllamav3, pydantic, the prebuilt ext)
-#   there:  OUT=... bash bench/gpu/all.sh [stage ...]     stages: collectives exl3 doctor plugin kernels
+#   there:  OUT=... bash bench/gpu/all.sh [stage ...]     stages: collectives exl3 doctor plugin kernels repro
 #
 # glmctl is not installed there: symlinks glmctl/{kernels,quantize,profiles} -> ../X (in the
 # throw-away copy of the tree) reproduce pyproject's package-dir mapping. Each stage runs under its
@@ -37,6 +37,7 @@ for s in $stages; do
                  if [ -n "$files" ]; then
                    run_stage plugin 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu $files
                  else summary+=("plugin: no tests/gpu/test_plugin_*.py"); fi ;;
+    repro)       run_stage repro 150 env CUDA_LAUNCH_BLOCKING=1 python3 bench/gpu/repro_decode_240k.py ;;
     kernels)     run_stage kernels 200 env TEST_SECONDS=120 BENCH_SECONDS=60 OUT="$OUT/kernels" \
                    bash bench/gpu/kernels.sh ;;
     *) echo "unknown stage $s"; summary+=("$s unknown") ;;
