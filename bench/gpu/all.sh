@@ -37,7 +37,7 @@ for s in $stages; do
                  if [ -n "$files" ]; then
                    run_stage plugin 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu $files
                  else summary+=("plugin: no tests/gpu/test_plugin_*.py"); fi ;;
-    repro)       run_stage repro 150 env CUDA_LAUNCH_BLOCKING=1 python3 bench/gpu/repro_decode_240k.py ;;
+    repro)       run_stage repro 150 python3 bench/gpu/repro_decode_240k.py ;;  # syncs after each step itself
     kernels)     run_stage kernels 200 env TEST_SECONDS=120 BENCH_SECONDS=60 OUT="$OUT/kernels" \
                    bash bench/gpu/kernels.sh ;;
     *) echo "unknown stage $s"; summary+=("$s unknown") ;;

@@ -1,6 +1,6 @@
 """Reproduce (or clear) the kernels run-4 crash: "illegal memory access" at the first bf16 sparse-MLA
 decode case at 240k context, 32 sessions (an ~8 GB latent cache). Runs that exact case with
-CUDA_LAUNCH_BLOCKING=1 semantics (a sync after every step), checks the output against the torch
+a synchronize after every step, checks the output against the torch
 reference on every row, eagerly and after 20 CUDA-graph replays (as the bench timed it), then
 repeats the case at 2x the cache to cross the 2^32-element mark.
 
