@@ -40,6 +40,19 @@ def _progress(out: Output, label: str, run: Callable[[Callable[[int, int], None]
         return run(lambda done, total: bar.update(task, completed=done, total=total))
 
 
+def _convert(out: Output, kind: str, unit: str, dst: Path,
+             run: Callable[[Callable[[int, int], None]], object]):
+    """A converter under `_progress`; on Ctrl-C, say where the finished work is and how to resume."""
+    try:
+        return _progress(out, kind, run)
+    except KeyboardInterrupt:
+        from glmctl.quantize.job import partial_dir_for
+
+        out.warn(f"interrupted; finished {unit} are kept in {partial_dir_for(dst.absolute(), kind)}: "
+                 "rerun the same command with --resume")
+        raise typer.Exit(130) from None
+
+
 def _split(values: list[str] | None) -> tuple[str, ...]:
     return tuple(v.strip() for item in values or [] for v in item.split(",") if v.strip())
 
@@ -77,15 +90,8 @@ def fp8(
     out = Output.from_flags(json_, quiet)
     settings = Fp8Settings(block=block, modules=_split(modules) or DEFAULT_MODULES,
                            exclude=_split(exclude), embeddings=embeddings)
-    try:
-        result = _progress(out, "fp8", lambda cb: convert_fp8(
-            src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
-    except KeyboardInterrupt:
-        from glmctl.quantize.job import partial_dir_for
-
-        out.warn(f"interrupted; finished shards are kept in {partial_dir_for(dst.absolute(), 'fp8')}: "
-                 "rerun the same command with --resume")
-        raise typer.Exit(130) from None
+    result = _convert(out, "fp8", "shards", dst, lambda cb: convert_fp8(
+        src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
     out.result(result, render=lambda console: _render_fp8(console, result))
 
 
@@ -167,15 +173,8 @@ def exl3(
     settings = Exl3Settings(bits=bits, experts=_split(experts) or (DEFAULT_EXPERTS_GLOB,),
                             calibration=tuple(str(Path(f).absolute()) for f in files),
                             calibration_tokens=calibration_tokens, tp_degrees=degrees)
-    try:
-        result = _progress(out, "exl3", lambda cb: convert_exl3(
-            src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
-    except KeyboardInterrupt:
-        from glmctl.quantize.job import partial_dir_for
-
-        out.warn(f"interrupted; finished layers are kept in {partial_dir_for(dst.absolute(), 'exl3')}: "
-                 "rerun the same command with --resume")
-        raise typer.Exit(130) from None
+    result = _convert(out, "exl3", "layers", dst, lambda cb: convert_exl3(
+        src, dst, settings, force=force, resume=resume, dry_run=dry_run, on_progress=cb))
     out.result(result, render=lambda console: _render_exl3(console, result))
 
 
