@@ -12,6 +12,20 @@ reading (what ``triton_convert_req_index_to_global_index`` produces; equal to th
 are contiguous).
 
 * ``KV_BF16`` (``--kv-cache-dtype auto``): row = 512 x bf16 = 1024 B.
+* ``KV_FP8`` (``--kv-cache-dtype fp8`` / ``fp8_e4m3``; vLLM's standard FP8 MLA cache, which
+  ``MLAAttentionSpec`` sizes as ``block_size x 512 x 1`` B), rows of 512 B::
+
+      bytes [0, 512)  512 x float8_e4m3fn   rtne_sat(float32(latent[d]) / k_scale)
+
+  ``k_scale`` is one fp32 for the whole layer (vLLM's ``layer._k_scale``, a 0-d device tensor:
+  1.0 unless the checkpoint carries KV scales); it is not stored in the cache and kernels read
+  it on the device. The quotient is an IEEE (round-to-nearest) fp32 division, then rounded to
+  e4m3 to nearest even, saturating to +-448 - CUDA's ``__nv_cvt_float_to_fp8(x / scale,
+  __NV_SATFINITE, __NV_E4M3)``, which is what vLLM's ``concat_and_cache_mla`` does for ``fp8``.
+  vLLM allocates the cache as uint8 and hands the attention backend the same storage viewed as
+  ``float8_e4m3fn`` (``MLAAttention.forward_impl``); both dtypes are accepted.
+  Dequantised latent: ``latent[d] = float(fp8[d]) * k_scale``. No RoPE tail, no per-row scales:
+  GLM-5.3-Flash has no RoPE dims, so this is the smallest exact-layout FP8 row (512 B vs 656).
 * ``KV_FP8_DS_MLA`` (``--kv-cache-dtype fp8_ds_mla``; vLLM sizes it with
   ``state_content_bytes = 656``), uint8 rows of 656 B::
 
@@ -72,23 +86,48 @@ BF16_ROW_BYTES = LATENT_DIM * 2
 INDEXER_HEAD_DIM = 128
 INDEXER_ROW_BYTES = INDEXER_HEAD_DIM + 4
 
+FP8_ROW_BYTES = LATENT_DIM
+
 KV_BF16 = "bf16"
+KV_FP8 = "fp8"
 KV_FP8_DS_MLA = "fp8_ds_mla"
-KV_FORMATS = (KV_BF16, KV_FP8_DS_MLA)
+KV_FORMATS = (KV_BF16, KV_FP8, KV_FP8_DS_MLA)
 
 
 def mla_kv_format(kv_cache: torch.Tensor) -> str:
     """Which latent-cache layout a vLLM MLA cache tensor holds (from its dtype and row width)."""
     import torch
 
-    if kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == LATENT_DIM:
+    width = kv_cache.shape[-1]
+    if kv_cache.dtype == torch.bfloat16 and width == LATENT_DIM:
         return KV_BF16
-    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == FP8_DS_MLA_ROW_BYTES:
+    if kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn) and width == FP8_ROW_BYTES:
+        return KV_FP8
+    if kv_cache.dtype == torch.uint8 and width == FP8_DS_MLA_ROW_BYTES:
         return KV_FP8_DS_MLA
     raise ValueError(
-        f"unsupported MLA cache: dtype {kv_cache.dtype}, row width {kv_cache.shape[-1]} "
-        f"(expected bf16 x {LATENT_DIM} or uint8 x {FP8_DS_MLA_ROW_BYTES})"
+        f"unsupported MLA cache: dtype {kv_cache.dtype}, row width {width} (expected bf16 x "
+        f"{LATENT_DIM}, uint8/float8_e4m3fn x {FP8_ROW_BYTES} or uint8 x {FP8_DS_MLA_ROW_BYTES})"
     )
+
+
+def kv_format_of_cache_dtype(kv_cache_dtype: str) -> str:
+    """The layout vLLM allocates for a ``--kv-cache-dtype`` value (after vLLM's own mapping)."""
+    if kv_cache_dtype in ("auto", "bfloat16", "bf16"):
+        return KV_BF16
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return KV_FP8
+    if kv_cache_dtype == "fp8_ds_mla":
+        return KV_FP8_DS_MLA
+    raise ValueError(f"no sparse-MLA cache layout for --kv-cache-dtype {kv_cache_dtype!r} "
+                     f"(supported: auto/bfloat16, fp8/fp8_e4m3, fp8_ds_mla)")
+
+
+def require_kv_scale(kv_format: str, kv_scale):
+    """The per-tensor scale a ``KV_FP8`` cache needs (a device tensor; never read on the host)."""
+    if kv_format == KV_FP8 and kv_scale is None:
+        raise ValueError("an fp8 (512-byte) MLA cache needs kv_scale (the layer's _k_scale)")
+    return kv_scale
 
 
 def flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -101,12 +140,17 @@ def flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.as_strided((num_rows, row), (row, 1))
 
 
-def dequant_latent_rows(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """fp32 latents ``[..., 512]`` from cache rows ``[..., row]`` of either layout."""
+def dequant_latent_rows(rows: torch.Tensor, kv_format: str,
+                        kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 latents ``[..., 512]`` from cache rows ``[..., row]`` of any layout (``kv_scale``:
+    the per-tensor scale of a ``KV_FP8`` cache)."""
     import torch
 
     if kv_format == KV_BF16:
         return rows.float()
+    if kv_format == KV_FP8:
+        scale = require_kv_scale(kv_format, kv_scale).reshape(()).float()
+        return rows.view(torch.float8_e4m3fn).float() * scale
     values = rows[..., :LATENT_DIM].contiguous().view(torch.float8_e4m3fn).float()
     scales = (
         rows[..., FP8_DS_MLA_SCALE_OFFSET : FP8_DS_MLA_SCALE_OFFSET + 16].contiguous()

@@ -32,7 +32,7 @@ def shipped_configs():
     i64, i32, f32 = "i64", "i32", "fp32"
     mla_types = dict(
         q_ptr="*bf16", q_stride_t=i64, q_stride_h=i64, kv_ptr="*fp8e4nv", kv_f32_ptr="*fp32",
-        row_stride=i64, num_rows=i64, idx_ptr="*i32", idx_stride_t=i64, topk=i32,
+        kv_scale_ptr="*fp32", row_stride=i64, num_rows=i64, idx_ptr="*i32", idx_stride_t=i64, topk=i32,
         out_ptr="*fp32", out_stride_t=i64, out_stride_s=i64, out_stride_h=i64, lse_ptr="*fp32",
         lse_stride_t=i64, lse_stride_s=i64, num_heads=i32, sm_scale_log2=f32, split_len=i32,
     )
@@ -43,7 +43,8 @@ def shipped_configs():
         types = dict(mla_types, kv_ptr="*fp8e4nv" if fp8 else "*bf16")
         yield (f"sparse_mla[{fmt} h{block_h} n{block_n} w{warps} s{stages}"
                f"{' prefetch' if prefetch else ''}]", sparse_mla_prefill._sparse_mla_kernel, types,
-               dict(FP8=fp8, PARTIAL=True, BLOCK_H=block_h, BLOCK_N=block_n,
+               dict(KV_MODE=sparse_mla_prefill.KV_MODES[fmt], PARTIAL=True, BLOCK_H=block_h,
+                    BLOCK_N=block_n,
                     SCALE_OFFSET=512, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
                     SKIP_EMPTY=not prefetch, PREFETCH=prefetch),
                dict(num_warps=warps, num_stages=stages))
@@ -53,11 +54,14 @@ def shipped_configs():
                 num_splits=i32),
            dict(BLOCK_S=sparse_mla_decode.MAX_SPLITS, DIM=512),
            dict(num_warps=4, num_stages=1))
-    yield ("mla_cache_write[fp8_ds_mla]", mla_cache_write._mla_cache_write_kernel,
-           dict(kv_c_ptr="*bf16", kv_c_stride=i64, slot_ptr="*i64", cache_u8_ptr="*u8",
-                cache_f32_ptr="*fp32", block_size=i32, block_stride=i64, row_stride=i64),
-           dict(FP8=True, TILES=4, TILE=128, SCALE_OFFSET=512, ROW_BYTES=656),
-           dict(num_warps=2, num_stages=1))
+    for fmt, mode in (("fp8_ds_mla", mla_cache_write.MODE_FP8_DS_MLA),
+                      ("fp8", mla_cache_write.MODE_FP8)):
+        yield (f"mla_cache_write[{fmt}]", mla_cache_write._mla_cache_write_kernel,
+               dict(kv_c_ptr="*bf16", kv_c_stride=i64, slot_ptr="*i64", cache_u8_ptr="*u8",
+                    cache_f32_ptr="*fp32", kv_scale_ptr="*fp32", block_size=i32,
+                    block_stride=i64, row_stride=i64),
+               dict(MODE=mode, TILES=4, TILE=128, SCALE_OFFSET=512, ROW_BYTES=656),
+               dict(num_warps=2, num_stages=1))
     block_n, warps, stages, prefetch = indexer_logits_paged.PAGED_CONFIG
     for next_n in (1, 4):
         yield (f"indexer_logits_paged[N{next_n} H32 n{block_n}]",

@@ -3,8 +3,8 @@ program per (token, head block, split) writing fp32 partials) and stage 2 (this 
 kernel, a log-sum-exp merge in a fixed split order, so results are bit-reproducible).
 
 Tensors are exactly those of :func:`.sparse_mla_prefill.sparse_mla_prefill` (q ``[T, H, 512]``
-bf16, vLLM's latent cache in bf16 or ``fp8_ds_mla``, ``indices [T, K]`` int32 flat rows, -1 =
-none); decode tokens include MTP verification tokens (1 + num_speculative per sequence), each
+bf16, vLLM's latent cache in bf16, ``fp8`` (+ ``kv_scale``, the per-tensor scale read on the
+device) or ``fp8_ds_mla``, ``indices [T, K]`` int32 flat rows, -1 = none); decode tokens include MTP verification tokens (1 + num_speculative per sequence), each
 with its own index row, so no per-sequence metadata is needed.
 
 CUDA-graph use: call :func:`plan_sparse_mla_decode` once per captured batch size (the split count
@@ -24,14 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .layouts import KV_BF16, KV_FP8_DS_MLA, mla_kv_format
+from .layouts import KV_BF16, KV_FP8, KV_FP8_DS_MLA, mla_kv_format
 from .sparse_mla_prefill import launch_sparse_mla_kernel, pick_config, sparse_mla_prefill_ref
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, prefetch) by (cache format, up to this many heads per
 # rank); each is compiled for sm_89 in tests/unit/test_kernels_sm89.py. The TP8 entries (<= 16
 # heads) are the best of the sweep in bench/results/kernels-h200.md: fp8 rows gathered with
-# explicit double buffering, bf16 rows through Triton's pipeliner (num_stages=2).
+# explicit double buffering, bf16 rows through Triton's pipeliner (num_stages=2). The per-tensor
+# fp8 rows (512 B, no scales) start from fp8_ds_mla's configuration (untimed so far).
 DECODE_CONFIGS = {
+    (KV_FP8, 16): (16, 32, 4, 1, True),
+    (KV_FP8, 64): (32, 32, 8, 1, True),
     (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, True),
     (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, True),
     (KV_BF16, 16): (16, 64, 4, 2, False),
@@ -75,7 +78,8 @@ def plan_sparse_mla_decode(num_tokens: int, num_heads: int, topk_width: int, num
                            kv_format: str = KV_FP8_DS_MLA) -> SparseMLADecodePlan:
     """Pick the split count from the SM count and the batch: enough programs to cover
     ``PROGRAMS_PER_SM`` waves, at most ``MAX_SPLITS`` and at least two tiles per split; the tile
-    configuration from the cache format (``layouts.KV_FP8_DS_MLA`` or ``layouts.KV_BF16``)."""
+    configuration from the cache format (``layouts.KV_FP8``, ``KV_FP8_DS_MLA`` or ``KV_BF16``;
+    pass ``layouts.mla_kv_format(cache)``)."""
     block_h, block_n, num_warps, num_stages, prefetch = pick_config(DECODE_CONFIGS, kv_format,
                                                                     num_heads)
     programs = max(1, num_tokens) * triton.cdiv(num_heads, block_h)
@@ -129,7 +133,8 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_stride_t, out_strid
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                       softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                      plan: SparseMLADecodePlan, workspace: SparseMLADecodeWorkspace) -> None:
+                      plan: SparseMLADecodePlan, workspace: SparseMLADecodeWorkspace, *,
+                      kv_scale: torch.Tensor | None = None) -> None:
     """Sparse MLA decode into ``out [T, H, 512]`` / ``lse [T, H]`` (see module doc)."""
     num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
@@ -141,7 +146,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         raise ValueError(f"plan is for a {plan.kv_format} cache, got {mla_kv_format(kv_cache)}")
     common = dict(split_len=plan.split_len, block_h=plan.block_h, block_n=plan.block_n,
                   num_warps=plan.num_warps, num_stages=plan.num_stages, skip_empty=False,
-                  prefetch=plan.prefetch)
+                  prefetch=plan.prefetch, kv_scale=kv_scale)
     if plan.num_splits == 1:
         launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, num_splits=1,
                                  partial=False, **common)
@@ -165,8 +170,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
 def sparse_mla_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                           softmax_scale: float, out: torch.Tensor | None = None,
                           lse: torch.Tensor | None = None, *,
+                          kv_scale: torch.Tensor | None = None,
                           compute_dtype: torch.dtype = torch.float32
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`sparse_mla_decode` (no plan or workspace needed)."""
     return sparse_mla_prefill_ref(q, kv_cache, indices, softmax_scale, out, lse,
-                                  compute_dtype=compute_dtype)
+                                  kv_scale=kv_scale, compute_dtype=compute_dtype)

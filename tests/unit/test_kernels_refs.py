@@ -38,6 +38,29 @@ def _fp8_row_oracle(row_bytes: torch.Tensor) -> torch.Tensor:
     return values * scales.repeat_interleave(128)
 
 
+def test_fp8_cache_write_ref_layout():
+    """The 512-byte fp8 row: byte d is e4m3(latent[d] / k_scale), rounded to nearest (ties to
+    even) and saturated at +-448; nothing else is stored; other rows are untouched."""
+    cache = torch.full((3, 4, 512), 0xAB, dtype=torch.uint8)
+    latent = (torch.randn(4, 512) * torch.rand(4, 1) * 10).to(torch.bfloat16)
+    latent[3, :4] = torch.tensor([1e4, -1e4, 0.0, 2.0 ** -14])
+    k_scale = torch.tensor(0.0625 * 1.37)
+    slots = torch.tensor([0, 5, -1, 11])
+    mla_cache_write_ref(latent, slots, cache, k_scale)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        row = cache[slot // 4, slot % 4]
+        decoded = row.view(torch.float8_e4m3fn).double()
+        scaled = (latent[i].double() / k_scale.double()).clamp(-448, 448)
+        # e4m3: 3 mantissa bits (half a step: 2^-4 relative), subnormal step 2^-9
+        assert bool(((decoded - scaled).abs() <= scaled.abs() * 2**-4 + 2**-10).all())
+    assert cache[2, 3, 0].view(torch.float8_e4m3fn).item() == 448.0
+    assert cache[2, 3, 1].view(torch.float8_e4m3fn).item() == -448.0
+    assert cache[2, 3, 3].item() == 0  # below half the smallest subnormal: flushed
+    assert bool((cache[0, 2] == 0xAB).all())  # slot 2 was never written
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_mla_cache_write_ref_layout(fmt):
     num_blocks, block_size = 3, 4
@@ -83,28 +106,33 @@ def _sparse_mla_oracle(q, latents, indices, scale):
     return out, lse
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla"])
 def test_sparse_mla_ref_matches_oracle(fmt):
     num_blocks, block_size = 4, 8
-    row = 512 if fmt == "bf16" else 656
+    row = 656 if fmt == "fp8_ds_mla" else 512
     dtype = torch.bfloat16 if fmt == "bf16" else torch.uint8
+    k_scale = torch.tensor(0.021) if fmt == "fp8" else None
     # Non-contiguous blocks (a page of another layer in between), as vLLM may allocate.
     backing = torch.zeros(num_blocks, block_size + 2, row, dtype=dtype)
     cache = backing[:, :block_size]
     latent = torch.randn(num_blocks * block_size, 512).to(torch.bfloat16)
     slots = torch.arange(num_blocks * block_size)
-    mla_cache_write_ref(latent, slots, cache)
+    mla_cache_write_ref(latent, slots, cache, k_scale)
     rows_per_block = block_size + 2
     flat = (slots // block_size) * rows_per_block + slots % block_size
     table = torch.zeros(num_blocks * rows_per_block, 512, dtype=torch.float64)
     stored = cache[slots // block_size, slots % block_size]
-    table[flat] = layouts.dequant_latent_rows(stored, fmt).double()
+    if fmt == "fp8":  # from the layout document: e4m3 value times the per-tensor scale
+        table[flat] = stored.view(torch.float8_e4m3fn).double() * 0.021
+        cache = cache.view(torch.float8_e4m3fn)  # as vLLM's attention layer hands it over
+    else:
+        table[flat] = layouts.dequant_latent_rows(stored, fmt).double()
     q = torch.randn(4, 3, 512).to(torch.bfloat16)
     indices = flat[torch.randint(0, len(flat), (4, 10))].int()
     indices[1, 4:] = -1  # fewer valid than k
     indices[2] = -1  # none valid
     indices[3, 0] = 10**6  # out of range: ignored, never read
-    out, lse = sparse_mla_decode_ref(q, cache, indices, 0.07)
+    out, lse = sparse_mla_decode_ref(q, cache, indices, 0.07, kv_scale=k_scale)
     want_out, want_lse = _sparse_mla_oracle(q, table, indices, 0.07)
     assert torch.allclose(out.double(), want_out, atol=2e-2, rtol=2e-2)
     assert torch.allclose(lse.double(), want_lse, atol=1e-4)

@@ -31,6 +31,11 @@ def test_every_shipped_config_fits_sm89():
     assert names >= {"sparse_mla", "sparse_mla_combine", "mla_cache_write",
                      "indexer_logits_paged", "indexer_logits_ragged", "kpool_topk",
                      "kpool_topk_slices"}
+    # Every cache layout's attention and cache-write kernels are among them.
+    kernels = {row["kernel"] for row in rows}
+    for fmt in ("bf16", "fp8", "fp8_ds_mla"):
+        assert any(k.startswith(f"sparse_mla[{fmt} ") for k in kernels), fmt
+    assert {"mla_cache_write[fp8]", "mla_cache_write[fp8_ds_mla]"} <= kernels
     for row in rows:
         assert 0 <= row["shared"] <= SM89_SHARED_LIMIT, row
         assert not row["wgmma"], row
