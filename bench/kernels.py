@@ -6,7 +6,8 @@ One GPU run: the device's copy bandwidth is measured first (device-to-device cop
 bytes read + written per second); then, at TP8 decode shapes (8 heads per rank, top-k 2048 +
 15-token tail in a 2176-wide index buffer, kpool 16, indexer 32 heads x 128):
 
-* sparse MLA decode (fp8_ds_mla and bf16 caches), 8 sessions x {1, 4} query tokens and 32
+* sparse MLA decode (fp8 = 512-byte e4m3 rows with a per-tensor scale, fp8_ds_mla = 656-byte
+  rows, and bf16 caches), 8 sessions x {1, 4} query tokens and 32
   sessions x 4 (8 / 32 / 128 query rows), contexts 22k / 64k / 240k: achieved bytes/s over the
   bytes that must move (selected rows x row bytes + queries + outputs) as a fraction of the copy
   bandwidth; target >= 60 % at >= 32 rows;
@@ -57,7 +58,20 @@ TOPK, KPOOL, WIDTH, SELECTED = 2048, 16, 2176, 2048 + 15
 HEADS_TP8, INDEX_HEADS = 8, 32
 SCALE = 0.0883883
 CONTEXTS = {"22k": 22 * 1024, "64k": 64 * 1024, "240k": 240 * 1024}
-DEADLINE = [float("inf")]  # wall-clock time after which remaining cases are skipped
+DEADLINE = [float("inf")]
+ROW_BYTES = {"fp8": 512, "fp8_ds_mla": 656, "bf16": 1024}
+
+
+def kv_scale(fmt: str):
+    """The fp8 layout's per-tensor scale (a device scalar, as vLLM's layer._k_scale)."""
+    if fmt != "fp8":
+        return None
+    if "fp8" not in _KV_SCALE:
+        _KV_SCALE["fp8"] = torch.tensor(0.0173, device=DEV)
+    return _KV_SCALE["fp8"]
+
+
+_KV_SCALE: dict = {}  # wall-clock time after which remaining cases are skipped
 
 
 def check_deadline():
@@ -120,14 +134,15 @@ def copy_bandwidth() -> tuple[float, dict]:
 def latent_cache(fmt: str, tokens: int) -> torch.Tensor:
     block = 64
     blocks = -(-tokens // block)
-    row, dtype = (656, torch.uint8) if fmt == "fp8_ds_mla" else (512, torch.bfloat16)
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.uint8
+    row = ROW_BYTES[fmt] // dtype.itemsize
     cache = torch.empty(blocks, block, row, dtype=dtype, device=DEV)
     step = 1 << 20
     for lo in range(0, blocks * block, step):
         hi = min(blocks * block, lo + step)
         latent = torch.randn(hi - lo, 512, device=DEV).to(torch.bfloat16)
-        mla_cache_write(latent, torch.arange(lo, hi, device=DEV), cache)
-    return cache
+        mla_cache_write(latent, torch.arange(lo, hi, device=DEV), cache, kv_scale(fmt))
+    return cache.view(torch.float8_e4m3fn) if fmt == "fp8" else cache
 
 
 def selection(rows: int, context: int, session_of_row: torch.Tensor) -> torch.Tensor:
@@ -154,14 +169,13 @@ def with_config(plan: SparseMLADecodePlan, block_n, warps, stages, prefetch, spl
 
 
 def mla_bytes(rows, heads, fmt):
-    row_bytes = 656 if fmt == "fp8_ds_mla" else 1024
-    return rows * SELECTED * row_bytes + 2 * rows * heads * 512 * 2 + rows * heads * 4
+    return rows * SELECTED * ROW_BYTES[fmt] + 2 * rows * heads * 512 * 2 + rows * heads * 4
 
 
 def bench_decode(results, copy_bw, sms, quick):
     cases = [(8, 1), (8, 4), (32, 4)]
     contexts = ["64k"] if quick else list(CONTEXTS)
-    fmts = ["fp8_ds_mla"] if quick else ["fp8_ds_mla", "bf16"]
+    fmts = ["fp8"] if quick else ["fp8", "fp8_ds_mla", "bf16"]
     # Config sweep on one shape per format; the best config is used for that format's rows.
     best = {}
     sweep = []
@@ -171,7 +185,8 @@ def bench_decode(results, copy_bw, sms, quick):
     q = torch.randn(rows, heads, 512, device=DEV).to(torch.bfloat16)
     out = torch.empty_like(q)
     lse = torch.empty(rows, heads, device=DEV)
-    sweeps = {"fp8_ds_mla": [(32, 4, 1, True), (64, 4, 1, True), (32, 8, 1, True),
+    sweeps = {"fp8": [(32, 4, 1, True), (64, 4, 1, True), (32, 4, 2, False), (64, 4, 2, False)],
+              "fp8_ds_mla": [(32, 4, 1, True), (64, 4, 1, True), (32, 8, 1, True),
                              (16, 4, 1, True), (32, 4, 1, False)],
               "bf16": [(64, 4, 2, False), (32, 4, 2, False), (32, 4, 1, True),
                        (64, 4, 3, False)]}
@@ -183,7 +198,7 @@ def bench_decode(results, copy_bw, sms, quick):
                 plan = with_config(base, *cfg, splits=splits)
                 ws = sparse_mla_decode_workspace([plan], DEV)
                 t = graph_time(partial(sparse_mla_decode, q, cache, idx, SCALE, out, lse, plan,
-                                       ws))
+                                       ws, kv_scale=kv_scale(fmt)))
                 frac = mla_bytes(rows, heads, fmt) / t / copy_bw
                 sweep.append({"kv": fmt, "block_n": cfg[0], "warps": cfg[1], "stages": cfg[2],
                               "prefetch": cfg[3], "splits": plan.num_splits, "us": t * 1e6,
@@ -211,8 +226,10 @@ def bench_decode(results, copy_bw, sms, quick):
                 plan = plan_sparse_mla_decode(rows, HEADS_TP8, WIDTH, sms, kv_format=fmt)
                 plan = with_config(plan, *best[fmt][0], splits=plan.num_splits)
                 ws = sparse_mla_decode_workspace([plan], DEV)
-                t = graph_time(partial(sparse_mla_decode, q, cache, idx, SCALE, out, lse, plan, ws))
-                t_ref = eager_time(partial(sparse_mla_decode_ref, q, cache, idx, SCALE))
+                t = graph_time(partial(sparse_mla_decode, q, cache, idx, SCALE, out, lse, plan, ws,
+                                       kv_scale=kv_scale(fmt)))
+                t_ref = eager_time(partial(sparse_mla_decode_ref, q, cache, idx, SCALE,
+                                           kv_scale=kv_scale(fmt)))
                 moved = mla_bytes(rows, HEADS_TP8, fmt)
                 row = {"kernel": "sparse_mla_decode", "kv": fmt, "context": ctx_name,
                        "sessions": sessions, "tokens_per_session": per, "rows": rows,

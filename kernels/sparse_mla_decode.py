@@ -142,6 +142,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     if num_tokens > plan.num_tokens or num_heads != plan.num_heads:
         raise ValueError(f"plan is for {plan.num_tokens} tokens x {plan.num_heads} heads, "
                          f"got {num_tokens} x {num_heads}")
+    if indices.shape[1] > plan.num_splits * plan.split_len:
+        raise ValueError(f"plan covers {plan.num_splits * plan.split_len} index columns, "
+                         f"got {indices.shape[1]}: plan with the index buffer's width")
     if mla_kv_format(kv_cache) != plan.kv_format:
         raise ValueError(f"plan is for a {plan.kv_format} cache, got {mla_kv_format(kv_cache)}")
     common = dict(split_len=plan.split_len, block_h=plan.block_h, block_n=plan.block_n,

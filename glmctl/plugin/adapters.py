@@ -15,8 +15,7 @@ def install(target: Target) -> list[str]:
     from glmctl.plugin import mhc, model_hooks, mtp
 
     installed = [_install_backend_selection(), _register_indexer(), model_hooks.install(),
-                 mtp.install(), mhc.install(), _install_fp8_kv_layout(),
-                 _install_kpool_block_alignment()]
+                 mtp.install(), mhc.install(), _install_kpool_block_alignment()]
     if target is Target.TORCH:
         from glmctl.plugin import cpu_ops
 
@@ -26,28 +25,6 @@ def install(target: Target) -> list[str]:
 
         installed += cuda_ops.install()
     return installed
-
-
-def _install_fp8_kv_layout() -> str:
-    """`--kv-cache-dtype fp8` means vLLM's 656-byte `fp8_ds_mla` rows for our backend too
-    (vLLM maps it only for its FLASHMLA_SPARSE backend, by name)."""
-    from vllm.model_executor.layers.attention import mla_attention
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-    from glmctl.plugin.sparse_mla import BACKEND_NAME
-
-    stock = mla_attention._canonicalize_sparse_mla_kv_cache_dtype
-    if getattr(stock, "_glmctl", False):
-        return "fp8_ds_mla KV"
-
-    def canonicalize(attn_backend, kv_cache_dtype):
-        if attn_backend.get_name() == BACKEND_NAME and is_quantized_kv_cache(kv_cache_dtype):
-            return "fp8_ds_mla"
-        return stock(attn_backend, kv_cache_dtype)
-
-    canonicalize._glmctl = True
-    mla_attention._canonicalize_sparse_mla_kv_cache_dtype = canonicalize
-    return "fp8_ds_mla KV"
 
 
 def _install_backend_selection() -> str:

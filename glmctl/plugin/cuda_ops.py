@@ -8,8 +8,9 @@ Found by reading vLLM's glm5next model and its imports:
     package imports, which it does on sm_8x even though its kernels cannot run there;
   - mHC: tilelang when installed, else torch (`mhc`); the tilelang JIT warmup is skipped
     when tilelang is absent (config hook);
-  - FP8 KV cache: vLLM maps `--kv-cache-dtype fp8` to the `fp8_ds_mla` layout only for
-    FLASHMLA_SPARSE; our backend reads and writes that same layout.
+  - FP8 KV cache: vLLM maps `--kv-cache-dtype fp8` to the 656-byte `fp8_ds_mla` record only
+    for FLASHMLA_SPARSE; our backend keeps vLLM's standard 512-byte fp8 row (no RoPE tail,
+    one per-tensor scale) and writes it with glmctl's Triton kernel (`fp8_ds_mla` on request).
 Triton's fp8e4nv needs sm_89: on sm_8x below that (Ampere), the FP8 query quantisation and the
 kpool writes fall back to the torch references.
 """

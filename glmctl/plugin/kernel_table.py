@@ -48,11 +48,14 @@ def sparse_mla_kernels(target: Target | None = None) -> SimpleNamespace:
     from glmctl.kernels import sparse_slots
 
     target = target or _target()
+    # cache_write(kv_c, slots, cache, kv_scale); attention(q, cache, rows, scale, kv_scale=)
+    # -> (out, lse); decode (Triton only, split-K): (q, cache, rows, scale, out, lse, plan, ws,
+    # kv_scale=). kv_scale: the fp8 (512-byte) layout's per-tensor scale, else None.
     table = SimpleNamespace(
         cache_write=cw.mla_cache_write_ref,
         attention=pre.sparse_mla_prefill_ref,
         rows=sparse_slots.sparse_rows_ref,
-        decode=None,  # split-K decode (Triton only): (q, cache, rows, scale, out, lse, plan, ws)
+        decode=None,
         plan_decode=None,
         decode_workspace=None,
     )
@@ -69,12 +72,12 @@ def _out_allocating(kernel):
     """Give a kernel that writes into (out, lse) the references' return-value form."""
     import torch
 
-    def call(q, kv_cache, indices, softmax_scale, out=None, lse=None):
+    def call(q, kv_cache, indices, softmax_scale, out=None, lse=None, *, kv_scale=None):
         if out is None:
             out = torch.empty_like(q)
         if lse is None:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        kernel(q, kv_cache, indices, softmax_scale, out, lse)
+        kernel(q, kv_cache, indices, softmax_scale, out, lse, kv_scale=kv_scale)
         return out, lse
 
     return call

@@ -6,9 +6,21 @@ path over the tokens the indexer selected: vLLM's `MLAAttention` projects querie
 512-d latent space (W_UK absorbed), we attend over the selected latent rows (V = latent) and
 vLLM applies W_UV. It reads the request-local top-k token indices from the indexer's shared
 buffer, maps them to cache rows through the block table, and hands rows to the kernels (torch
-on CPU, Triton on CUDA). KV cache: bf16, or vLLM's `fp8_ds_mla` byte layout.
+on CPU, Triton on CUDA; on CUDA decode batches take the split-K decode kernel, see
+`sparse_mla_compute`).
 
-Everything here is CUDA-graph friendly: persistent buffers, no host reads in `forward_mqa`.
+KV cache (`--kv-cache-dtype`, layouts in `glmctl.kernels.layouts`):
+  - `auto` / `bfloat16`: 512 bf16 per token (1024 B);
+  - `fp8` / `fp8_e4m3`: vLLM's standard FP8 MLA cache, 512 e4m3 per token (512 B) with one
+    per-tensor scale (the layer's `_k_scale`, read on the device). vLLM maps `fp8` to its
+    656-byte `fp8_ds_mla` record only for a backend named FLASHMLA_SPARSE; we keep the 512-byte
+    row, because GLM-5.3-Flash has no RoPE dims (the record's 128 RoPE bytes would be dead) -
+    22 % fewer bytes per token than fp8_ds_mla, so that many more KV tokens and that much less
+    decode traffic. It is the layout `glmctl plan` and the serve preflight predict.
+  - `fp8_ds_mla` (asked for explicitly): vLLM's 656-byte record, per-128 fp32 scales.
+
+Everything here is CUDA-graph friendly: persistent buffers, plans and workspace made at
+construction, no host reads in `forward_mqa`.
 """
 
 from __future__ import annotations
@@ -28,15 +40,22 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from glmctl.kernels.layouts import KV_FP8, kv_format_of_cache_dtype
 from glmctl.plugin.kernel_table import sparse_mla_kernels
-from glmctl.plugin.sparse_mla_compute import request_ids_per_token, sparse_mla_forward
+from glmctl.plugin.sparse_mla_compute import (
+    decode_batch_sizes,
+    make_decode_setup,
+    request_ids_per_token,
+    sparse_mla_forward,
+)
 
 BACKEND_NAME = "GLMCTL_SPARSE_MLA"
 
 
 class GlmctlSparseMLABackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "fp8_ds_mla"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "fp8", "fp8_e4m3",
+                                                 "fp8_ds_mla"]
 
     @staticmethod
     def get_name() -> str:
@@ -136,9 +155,35 @@ class GlmctlSparseMLAImpl(MLAAttentionImpl[GlmctlSparseMLAMetadata], SharedTopkI
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_format = kv_format_of_cache_dtype(kv_cache_dtype)  # refuses e.g. fp8_e5m2
         self.kv_lora_rank: int = mla_args["kv_lora_rank"]
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
         self.kernels = sparse_mla_kernels()
+        self.decode = self._decode_setup()
+
+    def _decode_setup(self):
+        """Split-K decode plans for the batch sizes vLLM captures (and an eager ladder), and
+        their workspace, made now: before CUDA-graph capture. None on the CPU target."""
+        if self.kernels.plan_decode is None:
+            return None
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+        spec = config.speculative_config
+        max_query_len = 1 + (getattr(spec, "num_speculative_tokens", 0) or 0)
+        sizes = decode_batch_sizes(config.compilation_config.cudagraph_capture_sizes,
+                                   config.scheduler_config.max_num_seqs * max_query_len)
+        return make_decode_setup(
+            self.kernels, num_heads=self.num_heads, topk_width=self._topk_width(config),
+            kv_format=self.kv_format, batch_sizes=sizes, max_query_len=max_query_len,
+            device=torch.device("cuda", torch.cuda.current_device()))
+
+    def _topk_width(self, config) -> int:
+        buffer = self.topk_indices_buffer
+        if buffer is not None:
+            return buffer.shape[1]
+        text = config.model_config.hf_text_config  # vLLM's buffer: topk + kpool - 1, to 128
+        return -(-(text.index_topk + max(1, getattr(text, "index_kpool", 1) or 1) - 1) // 128) * 128
 
     def record_logical_topk_ready(self) -> None:
         """vLLM's MLA wrapper calls this after the indexer; nothing to publish here."""
@@ -147,8 +192,10 @@ class GlmctlSparseMLAImpl(MLAAttentionImpl[GlmctlSparseMLAMetadata], SharedTopkI
                            k_scale) -> None:
         if kv_cache.numel() == 0:
             return
-        # GLM-5.3-Flash has no RoPE dims: the row is the 512-d latent (k_pe is empty).
-        self.kernels.cache_write(kv_c_normed, slot_mapping.flatten().to(torch.int64), kv_cache)
+        # GLM-5.3-Flash has no RoPE dims: the row is the 512-d latent (k_pe is empty). The fp8
+        # layout quantises with the layer's k_scale exactly as vLLM's concat_and_cache_mla does.
+        self.kernels.cache_write(kv_c_normed, slot_mapping.flatten().to(torch.int64), kv_cache,
+                                 k_scale if self.kv_format == KV_FP8 else None)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata: GlmctlSparseMLAMetadata, layer):
         if isinstance(q, tuple):
@@ -156,4 +203,6 @@ class GlmctlSparseMLAImpl(MLAAttentionImpl[GlmctlSparseMLAMetadata], SharedTopkI
         return sparse_mla_forward(
             q, kv_c_and_k_pe_cache, self.topk_indices_buffer, attn_metadata.req_id_per_token,
             attn_metadata.block_table, attn_metadata.block_size, self.scale, self.kernels,
+            kv_scale=layer._k_scale if self.kv_format == KV_FP8 else None,
+            decode=self.decode, max_query_len=attn_metadata.max_query_len,
         )

@@ -3,8 +3,10 @@ cache writes, determinism, and CUDA-graph capture replayed 100 times with new in
 
 Shapes: 64 attention heads split over TP 1/2/4/8 (64/32/16/8 heads per rank), latent 512, index
 buffer 2176 wide with 2048 + 15 selected tokens, contexts up to 256k tokens, indexer 32 heads x
-128 with kpool 16 (pool pages of 64 pools). Tolerances are those of the operand types: bf16
-products (2^-8 relative per element), fp8 keys used exactly.
+128 with kpool 16 (pool pages of 64 pools). Latent caches in all three layouts: bf16, fp8
+(512 e4m3 bytes per row, one per-tensor scale that the kernels read on the device) and
+fp8_ds_mla. Tolerances are those of the operand types: bf16 products (2^-8 relative per
+element), fp8 keys used exactly.
 """
 
 from __future__ import annotations
@@ -23,18 +25,28 @@ def _dev():
     return torch.device("cuda")
 
 
-def _latent_cache(fmt, num_tokens, block_size=64, seed=0):
+ROW = {"bf16": (512, torch.bfloat16), "fp8": (512, torch.uint8), "fp8_ds_mla": (656, torch.uint8)}
+
+
+def _kv_scale(fmt, value=0.0173):
+    """The fp8 layout's per-tensor scale (vLLM's layer._k_scale: a 0-d fp32 device tensor)."""
+    return torch.tensor(value, device=_dev()) if fmt == "fp8" else None
+
+
+def _latent_cache(fmt, num_tokens, block_size=64, seed=0, kv_scale=None):
+    """The cache as the attention backend receives it (fp8: vLLM's uint8 storage viewed as
+    float8_e4m3fn), filled by the Triton cache writer."""
     from glmctl.kernels.mla_cache_write import mla_cache_write
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     blocks = -(-num_tokens // block_size)
-    row, dtype = (512, torch.bfloat16) if fmt == "bf16" else (656, torch.uint8)
+    row, dtype = ROW[fmt]
     cache = torch.zeros(blocks, block_size, row, dtype=dtype, device=_dev())
     latent = torch.randn(blocks * block_size, 512, generator=g, device=_dev())
     latent = (latent * (0.5 + torch.rand(blocks * block_size, 1, generator=g, device=_dev()))).to(
         torch.bfloat16)
-    mla_cache_write(latent, torch.arange(blocks * block_size, device=_dev()), cache)
-    return cache
+    mla_cache_write(latent, torch.arange(blocks * block_size, device=_dev()), cache, kv_scale)
+    return cache.view(torch.float8_e4m3fn) if fmt == "fp8" else cache
 
 
 def _selection(rows, context, seed=0, valid=None):
@@ -56,7 +68,7 @@ def _rel_err(got, want):
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "bf16"])
 @pytest.mark.parametrize("heads", [64, 32, 16, 8])
 def test_sparse_mla_decode_and_prefill_real_shapes(fmt, heads):
     from glmctl.kernels.sparse_mla_decode import (
@@ -68,13 +80,15 @@ def test_sparse_mla_decode_and_prefill_real_shapes(fmt, heads):
     from glmctl.kernels.sparse_mla_prefill import sparse_mla_prefill
 
     context = 256 * 1024 if heads == 8 else 64 * 1024
-    cache = _latent_cache(fmt, context)
+    kv_scale = _kv_scale(fmt)
+    cache = _latent_cache(fmt, context, kv_scale=kv_scale)
     rows = 32  # 8 sequences x (1 + 3 MTP drafts)
     valid = torch.full((rows,), TOPK + 15, device=_dev())
     valid[3], valid[7] = 1, 0  # one token; nothing valid
     idx = _selection(rows, context, valid=valid)
     q = torch.randn(rows, heads, 512, device=_dev()).to(torch.bfloat16)
-    want_out, want_lse = sparse_mla_decode_ref(q, cache, idx, SCALE, compute_dtype=torch.float64)
+    want_out, want_lse = sparse_mla_decode_ref(q, cache, idx, SCALE, kv_scale=kv_scale,
+                                               compute_dtype=torch.float64)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = plan_sparse_mla_decode(rows, heads, WIDTH, sms, kv_format=fmt)
     ws = sparse_mla_decode_workspace([plan], _dev())
@@ -82,9 +96,9 @@ def test_sparse_mla_decode_and_prefill_real_shapes(fmt, heads):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((rows, heads), float("nan"), device=_dev())
         if run == "decode":
-            sparse_mla_decode(q, cache, idx, SCALE, out, lse, plan, ws)
+            sparse_mla_decode(q, cache, idx, SCALE, out, lse, plan, ws, kv_scale=kv_scale)
         else:
-            sparse_mla_prefill(q, cache, idx, SCALE, out, lse)
+            sparse_mla_prefill(q, cache, idx, SCALE, out, lse, kv_scale=kv_scale)
         assert not torch.isnan(out).any()
         assert _rel_err(out, want_out) < 1.5e-2, run
         finite = torch.isfinite(want_lse)
@@ -93,13 +107,16 @@ def test_sparse_mla_decode_and_prefill_real_shapes(fmt, heads):
         assert bool((out[7] == 0).all())
     # Deterministic: same inputs, same bits.
     out2, lse2 = torch.empty_like(q), torch.empty((rows, heads), device=_dev())
-    sparse_mla_decode(q, cache, idx, SCALE, out2, lse2, plan, ws)
+    sparse_mla_decode(q, cache, idx, SCALE, out2, lse2, plan, ws, kv_scale=kv_scale)
     out3, lse3 = torch.empty_like(q), torch.empty((rows, heads), device=_dev())
-    sparse_mla_decode(q, cache, idx, SCALE, out3, lse3, plan, ws)
+    sparse_mla_decode(q, cache, idx, SCALE, out3, lse3, plan, ws, kv_scale=kv_scale)
     assert torch.equal(out2, out3) and torch.equal(lse2.nan_to_num(), lse3.nan_to_num())
 
 
-def test_sparse_mla_decode_cuda_graph_replays_with_new_inputs_and_lengths():
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla"])
+def test_sparse_mla_decode_cuda_graph_replays_with_new_inputs_and_lengths(fmt):
+    """fp8: the per-tensor scale changes between replays too (the graph must read it on the
+    device, not bake in the value seen at capture)."""
     from glmctl.kernels.sparse_mla_decode import (
         plan_sparse_mla_decode,
         sparse_mla_decode,
@@ -108,28 +125,31 @@ def test_sparse_mla_decode_cuda_graph_replays_with_new_inputs_and_lengths():
     )
 
     heads, rows, context = 8, 32, 64 * 1024
-    cache = _latent_cache("fp8_ds_mla", context)
+    kv_scale = _kv_scale(fmt)
+    cache = _latent_cache(fmt, context, kv_scale=kv_scale)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_sparse_mla_decode(rows, heads, WIDTH, sms, kv_format="fp8_ds_mla")
+    plan = plan_sparse_mla_decode(rows, heads, WIDTH, sms, kv_format=fmt)
     ws = sparse_mla_decode_workspace([plan], _dev())
     q = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device=_dev())
     idx = torch.full((rows, WIDTH), -1, dtype=torch.int32, device=_dev())
     out = torch.zeros_like(q)
     lse = torch.zeros(rows, heads, device=_dev())
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        sparse_mla_decode(q, cache, idx, SCALE, out, lse, plan, ws)  # compile outside capture
+    with torch.cuda.stream(stream):  # compile outside capture
+        sparse_mla_decode(q, cache, idx, SCALE, out, lse, plan, ws, kv_scale=kv_scale)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        sparse_mla_decode(q, cache, idx, SCALE, out, lse, plan, ws)
+        sparse_mla_decode(q, cache, idx, SCALE, out, lse, plan, ws, kv_scale=kv_scale)
     worst = 0.0
     for step in range(100):
         valid = torch.randint(0, TOPK + 16, (rows,), device=_dev())
         q.copy_(torch.randn(rows, heads, 512, device=_dev()))
         idx.copy_(_selection(rows, context, seed=step + 1, valid=valid))
+        if kv_scale is not None:
+            kv_scale.fill_(0.0173 * (1 + step % 7))
         graph.replay()
-        want_out, want_lse = sparse_mla_decode_ref(q, cache, idx, SCALE)
+        want_out, want_lse = sparse_mla_decode_ref(q, cache, idx, SCALE, kv_scale=kv_scale)
         worst = max(worst, _rel_err(out, want_out.double()))
         finite = torch.isfinite(want_lse)
         assert torch.equal(finite, torch.isfinite(lse)), step
@@ -137,11 +157,15 @@ def test_sparse_mla_decode_cuda_graph_replays_with_new_inputs_and_lengths():
     assert worst < 1.5e-2
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
-def test_mla_cache_write_bit_exact_on_gpu(fmt):
+@pytest.mark.parametrize("fmt, k_scale", [("fp8_ds_mla", None), ("bf16", None), ("fp8", 1.0),
+                                           ("fp8", 0.0173)])
+def test_mla_cache_write_bit_exact_on_gpu(fmt, k_scale):
+    """Bit for bit against the torch reference on the GPU (IEEE division, round to nearest
+    even, saturating: vLLM's concat_and_cache_mla for fp8); magnitudes from 1e-4 to 1e3 cover
+    the fp8 layout's subnormals and its saturation at 448 * k_scale."""
     from glmctl.kernels.mla_cache_write import mla_cache_write, mla_cache_write_ref
 
-    row, dtype = (512, torch.bfloat16) if fmt == "bf16" else (656, torch.uint8)
+    row, dtype = ROW[fmt]
     got = torch.zeros(40, 64, row, dtype=dtype, device=_dev())
     want = got.clone()
     latent = (torch.randn(2000, 512, device=_dev()) * torch.logspace(-4, 3, 2000,
@@ -149,8 +173,9 @@ def test_mla_cache_write_bit_exact_on_gpu(fmt):
     latent = latent.to(torch.bfloat16)
     slots = torch.randperm(40 * 64, device=_dev())[:2000]
     slots[::7] = -1
-    mla_cache_write(latent, slots, got)
-    mla_cache_write_ref(latent, slots, want)
+    kv_scale = None if k_scale is None else torch.tensor(k_scale, device=_dev())
+    mla_cache_write(latent, slots, got, kv_scale)
+    mla_cache_write_ref(latent, slots, want, kv_scale)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 

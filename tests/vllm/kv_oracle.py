@@ -7,6 +7,10 @@ Run as a script in a subprocess (it installs import hooks):
 Everything that produces a number is vLLM's code, called the way a CUDA worker calls it:
 - block size: `Platform._align_hybrid_block_size` on vLLM's `CudaPlatform` (sm_89), after setting
   the backend's preferred block size (phase 1 of `update_block_size_for_backend`);
+- the MLA cache dtype a backend gets for `--kv-cache-dtype`: vLLM's
+  `_canonicalize_sparse_mla_kv_cache_dtype` with the backend class (request `"backend":
+  "glmctl"`: glmctl's sparse-MLA backend, as `MLAAttention.__init__` calls it), reported with
+  what a backend named FLASHMLA_SPARSE would get;
 - per-layer specs: `MLAAttention.get_kv_cache_spec`, the real `Glm5NextIndexerCache` /
   `Glm5NextTailCache` modules' `get_kv_cache_spec`, and `MambaBase.get_kv_cache_spec` with
   `Glm5NextLinearAttention.get_state_shape/get_state_dtype` (`vllm/models/glm5next/nvidia/`);
@@ -159,11 +163,12 @@ def compute(request: dict) -> dict:
     mla_ids = [i for i, t in enumerate(layer_types) if t == "indexed_attention"] + (mtp_layers if num_spec else [])
     kda_ids = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
 
+    mla_dtype, flashmla_dtype = _mla_cache_dtypes(request.get("backend"), cache_dtype)
     specs: dict = {}
     with set_current_vllm_config(vllm_config):
         for i in mla_ids:
             prefix = f"model.layers.{i}.self_attn"
-            mla = SimpleNamespace(kv_cache_dtype=cache_dtype, head_size=model_config.get_head_size(),
+            mla = SimpleNamespace(kv_cache_dtype=mla_dtype, head_size=model_config.get_head_size(),
                                   sliding_window=None, indexer=object(), non_causal_multi_token_decode=False)
             specs[f"{prefix}.attn"] = MLAAttention.get_kv_cache_spec(mla, vllm_config)
             kw = dict(head_dim=cfg["index_head_dim"], cache_config=cache_config, index_kpool=cfg["index_kpool"])
@@ -184,6 +189,8 @@ def compute(request: dict) -> dict:
     for name, spec in specs.items():
         pages.setdefault(kind(name), set()).add((spec.page_size_bytes, spec.real_page_size_bytes))
     result: dict = {
+        "mla_kv_cache_dtype": mla_dtype,
+        "flashmla_sparse_kv_cache_dtype": flashmla_dtype,
         "block_size": cache_config.block_size,
         # one (page, real page) pair per layer kind; a kind with two sizes would show two pairs
         "pages": {k: sorted(v) for k, v in pages.items()},
@@ -204,6 +211,26 @@ def compute(request: dict) -> dict:
         tensor_bytes=max(t.size for t in configs[0].kv_cache_tensors),
     )
     return result
+
+
+def _mla_cache_dtypes(backend: str | None, cache_dtype: str) -> tuple[str, str]:
+    """(the MLA layer's cache dtype with the requested backend, with one named
+    FLASHMLA_SPARSE), from vLLM's own mapping."""
+    from vllm.model_executor.layers.attention.mla_attention import (
+        _canonicalize_sparse_mla_kv_cache_dtype as canonical,
+    )
+
+    class FlashMlaSparseName:
+        @staticmethod
+        def get_name():
+            return "FLASHMLA_SPARSE"
+
+    ours = cache_dtype
+    if backend == "glmctl":
+        from glmctl.plugin.sparse_mla import GlmctlSparseMLABackend
+
+        ours = canonical(GlmctlSparseMLABackend, cache_dtype)
+    return ours, canonical(FlashMlaSparseName, cache_dtype)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ TINY_KV_BYTES = 1 << 30
 
 
 def _cases(full: str, tiny: str) -> list[dict]:
-    base = dict(kernel_block_size=64, prefix_caching=True, num_spec=0)
+    # backend "glmctl": the MLA cache dtype is what vLLM gives glmctl's sparse-MLA backend for it
+    base = dict(kernel_block_size=64, prefix_caching=True, num_spec=0, backend="glmctl")
     cases = [
         dict(base, config=full, tp=8, kv_cache_dtype=dtype, num_spec=spec, prefix_caching=prefix,
              max_model_len=262_144, available_bytes=FULL_KV_BYTES)
@@ -46,6 +47,8 @@ def _cases(full: str, tiny: str) -> list[dict]:
     ]
     cases += [
         dict(base, config=full, tp=4, kv_cache_dtype="fp8", num_spec=3, max_model_len=262_144,
+             available_bytes=FULL_KV_BYTES),
+        dict(base, config=full, tp=8, kv_cache_dtype="fp8_e4m3", max_model_len=262_144,
              available_bytes=FULL_KV_BYTES),
         # one request of 262,144 tokens does not fit: vLLM refuses to start
         dict(base, config=full, tp=4, kv_cache_dtype="auto", num_spec=3, max_model_len=262_144,
@@ -93,6 +96,7 @@ def test_layouts_and_capacity_equal_vllms(oracle):
         label = {k: case[k] for k in ("config", "tp", "kv_cache_dtype", "num_spec", "prefix_caching")}
         pages = {kind: pairs[0] for kind, pairs in vllm["pages"].items()}
         assert all(len(pairs) == 1 for pairs in vllm["pages"].values()), (label, vllm["pages"])
+        assert vllm["mla_kv_cache_dtype"] == case["kv_cache_dtype"], label  # no remapping
         assert layout.block_size == vllm["block_size"], label
         assert layout.mla_page_bytes == pages["mla"][0], label
         assert layout.indexer_page_bytes == pages["k_cache"][0], label
@@ -113,3 +117,24 @@ def test_layouts_and_capacity_equal_vllms(oracle):
         assert capacity.max_concurrency == pytest.approx(vllm["max_concurrency"]), label
         checked += 1
     assert checked >= 10 and refused == 2  # the tiny bf16 layout and the 1-request-does-not-fit case
+
+
+def test_fp8_page_for_glmctls_backend_is_the_planners_512_byte_row(oracle):
+    """`--kv-cache-dtype fp8` with glmctl's sparse-MLA backend: vLLM keeps `fp8` (its mapping to
+    the 656-byte fp8_ds_mla record is for a backend named FLASHMLA_SPARSE only), and its own
+    MLAAttentionSpec page is block_size x the planner's `mla_bytes_per_token(..., "fp8")` = 512
+    bytes per token, for the full GLM-5.3-Flash config and for the tiny checkpoint."""
+    from glmctl.plan.kv_cache import mla_bytes_per_token
+
+    seen = set()
+    for case, vllm in oracle:
+        if case["kv_cache_dtype"] not in ("fp8", "fp8_e4m3"):
+            continue
+        model = load_model_spec(case["config"])
+        assert vllm["mla_kv_cache_dtype"] == case["kv_cache_dtype"]
+        assert vllm["flashmla_sparse_kv_cache_dtype"] == "fp8_ds_mla"
+        mla_page = vllm["pages"]["mla"][0][0]
+        assert mla_page == vllm["block_size"] * mla_bytes_per_token(model, case["kv_cache_dtype"])
+        assert mla_page == vllm["block_size"] * 512
+        seen.add((case["config"], case["kv_cache_dtype"]))
+    assert len(seen) == 3  # full fp8, full fp8_e4m3, tiny fp8
