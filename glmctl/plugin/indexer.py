@@ -28,6 +28,10 @@ from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
 
 from glmctl.plugin.kernel_table import indexer_kernels
 
+# Decode top-k rows served by the two-stage (sliced) top-k on CUDA: up to 48 query tokens (12
+# requests x MTP-3 verify); larger decode batches have rows enough to fill the GPU in one pass.
+TOPK_WORKSPACE_ROWS = 48
+
 
 class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
     """Drop-in for vLLM's kpool indexer op; same constructor, same call signature."""
@@ -53,6 +57,28 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             raise NotImplementedError("glmctl's kpool indexer supports the FP8 indexer cache only")
         self.use_fp4_cache = False
         self.kernels = indexer_kernels()
+        self.topk_workspace = self._decode_topk_workspace()
+
+    def _decode_topk_workspace(self):
+        """CUDA: one workspace for the decode top-k's sliced first stage, made now (before
+        graph capture) and shared by every indexer layer of the process; None on CPU."""
+        if self.kernels.topk_workspace is None:
+            return None
+        from vllm.config import get_current_vllm_config
+
+        text = get_current_vllm_config().model_config.hf_text_config
+        select = self.topk_tokens // max(1, getattr(text, "index_kpool", 1) or 1)
+        device = torch.device("cuda", torch.cuda.current_device())
+        key = (str(device), select)
+        if key not in _TOPK_WORKSPACES:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            _TOPK_WORKSPACES[key] = self.kernels.topk_workspace(TOPK_WORKSPACE_ROWS, select,
+                                                                num_sms, device)
+        return _TOPK_WORKSPACES[key]
+
+    def _topk_args(self, rows: int) -> dict:
+        ws = self.topk_workspace
+        return {"workspace": ws} if ws is not None and rows <= ws.values.shape[0] else {}
 
     @classmethod
     def enabled(cls) -> bool:
@@ -188,14 +214,22 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             context = context[:, :1].expand(batch, next_n)
         logits = self.kernels.logits_paged(q, w, self.k_cache.kv_cache, decode.block_table,
                                            context)
+        # The logits of pools at or past a row's context length are not written (CUDA): the
+        # top-k must never read them, so a row's complete pools are capped by its context (a
+        # no-op when the positions and vLLM's context lengths agree, as they should).
+        seq_tokens = torch.minimum(seq_tokens, (context.reshape(-1).to(torch.int32) + 1) * kpool - 1)
         if decode.requires_padding:
             out = torch.full((batch * next_n, buffer.shape[1]), -1, dtype=buffer.dtype,
                              device=buffer.device)
-            self.kernels.topk(logits, seq_tokens, out, kpool=kpool, select_pools=topk // kpool)
+            self.kernels.topk(logits, seq_tokens, out, kpool=kpool, select_pools=topk // kpool,
+                              **self._topk_args(batch * next_n))
             buffer[:n] = out[_padded_row_index(lens, next_n)]
         else:
             self.kernels.topk(logits, seq_tokens, buffer[:n], kpool=kpool,
-                              select_pools=topk // kpool)
+                              select_pools=topk // kpool, **self._topk_args(n))
+
+
+_TOPK_WORKSPACES: dict = {}
 
 
 @eager_break_during_capture

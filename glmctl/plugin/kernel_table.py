@@ -35,6 +35,7 @@ def indexer_kernels(target: Target | None = None) -> SimpleNamespace:
         logits_ragged=ragged.indexer_logits_ragged_ref,
         logits_paged=paged.indexer_logits_paged_ref,
         topk=topk.kpool_topk_ref,
+        topk_workspace=None,  # Triton only: (max_rows, select_pools, num_sms, device)
     )
     if target is Target.TRITON:
         _use_triton_indexer(table)
@@ -90,7 +91,7 @@ def _use_triton_indexer(table: SimpleNamespace) -> None:
 
     from glmctl.kernels.indexer_logits_paged import indexer_logits_paged
     from glmctl.kernels.indexer_logits_ragged import indexer_logits_ragged
-    from glmctl.kernels.kpool_topk import kpool_topk
+    from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_workspace
 
     def logits_ragged(q_fp8, weights, k_fp8, k_scale, row_starts, row_ends):
         out = torch.empty((q_fp8.shape[0], k_fp8.shape[0]), dtype=torch.float32,
@@ -108,6 +109,7 @@ def _use_triton_indexer(table: SimpleNamespace) -> None:
     table.logits_ragged = logits_ragged
     table.logits_paged = logits_paged
     table.topk = kpool_topk
+    table.topk_workspace = kpool_topk_workspace
     table.prefill_write, table.tail_seed, table.decode_update = _vllm_kpool_writes()
 
 

@@ -7,7 +7,7 @@ with the reference sparse-MLA path. One extra server start; the bf16-KV baseline
 shared `tiny_server`.
 
 Quality, measured (this machine, vLLM CPU 0.30.0, 2026-11-29): the tiny checkpoint (seed 0), the
-prompt logprobs of the five prompts below (1,548 scored tokens), each KV layout's server against a
+prompt logprobs of the five prompts below (1,549 scored tokens), each KV layout's server against a
 bf16-KV server, |d| in nats:
 
     KV cache                      bytes/token/layer   mean |d|   p99 |d|   max |d|   corr
