@@ -35,10 +35,10 @@ for s in $stages; do
                    python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_doctor_gpu.py ;;
     plugin)      files=$(ls tests/gpu/test_plugin_*.py 2>/dev/null)
                  if [ -n "$files" ]; then
-                   run_stage plugin 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu $files
+                   run_stage plugin 240 python3 -m pytest -q -rs -p no:cacheprovider -m gpu $files
                  else summary+=("plugin: no tests/gpu/test_plugin_*.py"); fi ;;
     repro)       run_stage repro 150 python3 bench/gpu/repro_decode_240k.py ;;  # syncs after each step itself
-    kernels)     run_stage kernels 200 env TEST_SECONDS=120 BENCH_SECONDS=60 OUT="$OUT/kernels" \
+    kernels)     run_stage kernels 320 env TEST_SECONDS=190 BENCH_SECONDS=110 OUT="$OUT/kernels" \
                    bash bench/gpu/kernels.sh ;;
     *) echo "unknown stage $s"; summary+=("$s unknown") ;;
   esac
