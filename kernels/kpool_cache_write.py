@@ -112,17 +112,20 @@ def kpool_tail_seed_ref(tail_cache: torch.Tensor, k: torch.Tensor, gate: torch.T
     """Seed each request's tail ring with its last (up to) ``kpool`` prefill tokens.
 
     Token ``i`` is in its request's tail iff token ``i + kpool`` is past the batch, padding
-    (slot < 0) or in another tail block (vLLM ``kpool_seed_tail_cache``)."""
+    (slot < 0) or in another tail block (vLLM ``kpool_seed_tail_cache``). The ring has
+    ``tail_cache.shape[2]`` slots (see ``layouts``); ``tail_slots`` are
+    ``block * ring + position % ring``."""
     num_tokens = tail_slots.shape[0]
     if num_tokens == 0:
         return
+    ring_size = tail_cache.shape[2]
     slots = tail_slots.long()
-    block = torch.div(slots, kpool, rounding_mode="floor")
+    block = torch.div(slots, ring_size, rounding_mode="floor")
     ahead = torch.full_like(slots, -1)
     ahead[: max(0, num_tokens - kpool)] = slots[kpool:]
-    ahead_block = torch.where(ahead >= 0, torch.div(ahead, kpool, rounding_mode="floor"), -1)
+    ahead_block = torch.where(ahead >= 0, torch.div(ahead, ring_size, rounding_mode="floor"), -1)
     in_tail = (slots >= 0) & ~((ahead >= 0) & (ahead_block == block))
-    blk, ring = block[in_tail], slots[in_tail] % kpool
+    blk, ring = block[in_tail], slots[in_tail] % ring_size
     tail_cache[blk, 0, ring] = k[in_tail].to(tail_cache.dtype)
     tail_cache[blk, 1, ring] = gate[in_tail].to(tail_cache.dtype)
 
@@ -131,21 +134,27 @@ def kpool_decode_update_ref(kv_cache: torch.Tensor, tail_cache: torch.Tensor,
                             tail_slots: torch.Tensor, k: torch.Tensor, gate: torch.Tensor,
                             ape: torch.Tensor, slot_mapping: torch.Tensor,
                             positions: torch.Tensor, kpool: int) -> None:
-    """Decode-step kpool update, batched over requests, in token order within a request."""
+    """Decode-step kpool update, batched over requests, in token order within a request.
+
+    The ring has ``tail_cache.shape[2]`` slots (``kpool``, or whole pools more with MTP, see
+    ``layouts``); position ``p`` lives in slot ``p % ring``."""
     num_requests, next_n = positions.shape
+    ring_size = tail_cache.shape[2]
     offs = torch.arange(kpool, device=k.device)
     for t in range(next_n):  # next_n <= 1 + num_speculative_tokens; batched over requests
         pos = positions[:, t].long()
         loc = slot_mapping[:, t].long()
         tslot = tail_slots[:, t].long()
-        block = tslot.clamp_min(0) // kpool
-        ring = pos.clamp_min(0) % kpool
-        completes = (loc >= 0) & (pos >= 0) & (ring == kpool - 1)
+        block = tslot.clamp_min(0) // ring_size
+        ring = pos.clamp_min(0) % ring_size
+        completes = (loc >= 0) & (pos >= 0) & (pos % kpool == kpool - 1)
         if bool(completes.any()):
             rows = completes.nonzero().squeeze(1)
-            pool_k = tail_cache[block[rows], 0].clone()  # [n, kpool, 128], ring order == pool order
-            pool_g = tail_cache[block[rows], 1].clone()
-            is_current = offs[None, :] == ring[rows, None]
+            # The pool's tokens pos - kpool + 1 .. pos, in pool order; the last is this token.
+            members = (pos[rows, None] - (kpool - 1) + offs[None, :]) % ring_size
+            pool_k = tail_cache[block[rows, None], 0, members]  # [n, kpool, 128]
+            pool_g = tail_cache[block[rows, None], 1, members]
+            is_current = offs[None, :] == kpool - 1
             pool_k = torch.where(is_current[..., None], k[rows, t, None].to(pool_k.dtype), pool_k)
             pool_g = torch.where(is_current[..., None], gate[rows, t, None].to(pool_g.dtype),
                                  pool_g)
@@ -154,3 +163,4 @@ def kpool_decode_update_ref(kv_cache: torch.Tensor, tail_cache: torch.Tensor,
         stash = (pos >= 0) & (tslot >= 0)
         tail_cache[block[stash], 0, ring[stash]] = k[stash, t].to(tail_cache.dtype)
         tail_cache[block[stash], 1, ring[stash]] = gate[stash, t].to(tail_cache.dtype)
+

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from glmctl.plugin.policy import Target, kpool_block_size
+from glmctl.plugin.policy import Target, kpool_block_size, num_speculative_tokens
 
 logger = logging.getLogger("vllm.glmctl")
 
@@ -34,7 +34,8 @@ def _fix_cpu_cache_config(vllm_config) -> None:
     # multiple of 32 * index_kpool.
     if getattr(text_config, "index_topk", None):
         wanted = kpool_block_size(cache_config.block_size, getattr(text_config, "index_kpool", None),
-                                  getattr(text_config, "index_head_dim", None) or 128)
+                                  getattr(text_config, "index_head_dim", None) or 128,
+                                  num_speculative_tokens(vllm_config))
         if wanted != cache_config.block_size:
             cache_config.block_size = wanted
 

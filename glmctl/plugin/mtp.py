@@ -10,6 +10,10 @@ We extend vLLM's proposer, not replace it: the attention-group layers go through
 initialisation unchanged; the tail layers get their own attention group on their own KV-cache
 group, and their metadata is built from their group's block table and the draft positions.
 Nothing changes for models without a kpool tail in the draft.
+
+The tail ring itself (every indexer layer's, target and draft) gets whole pools enough for the
+draft count (`policy.kpool_tail_ring`): with vLLM's one-pool ring a rejected draft past a pool
+boundary overwrites an accepted token of the pool still being filled.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 def install() -> str:
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    _install_tail_ring()
 
     if getattr(SpecDecodeBaseProposer, "_glmctl_wrapped", False):
         return "MTP drafter"
@@ -117,3 +123,31 @@ def _tail_metadata(proposer, cm, gid):
     block_table = runner.input_batch.block_table[gid].get_device_tensor(cm.num_reqs)
     return cm.replace(block_table_tensor=block_table,
                       positions=proposer._get_positions(cm.num_actual_tokens))
+
+
+def _install_tail_ring() -> None:
+    """Size every kpool tail ring for the configured draft count (see `policy.kpool_tail_ring`).
+
+    vLLM derives the tail slots (`block * block_size + position % block_size`) and the tensor
+    (`[blocks, 2, block_size, head_dim]`) from the spec's block size, and glmctl's kpool writes
+    take the ring size from that tensor, so the spec is the one place to change.
+    """
+    from dataclasses import replace
+
+    from vllm.models.glm5next.nvidia.attention import Glm5NextTailCache
+
+    from glmctl.plugin.policy import kpool_tail_ring, num_speculative_tokens
+
+    if getattr(Glm5NextTailCache.get_kv_cache_spec, "_glmctl", False):
+        return
+    stock = Glm5NextTailCache.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = stock(self, vllm_config)
+        ring = kpool_tail_ring(self._index_kpool, num_speculative_tokens(vllm_config))
+        if ring == spec.block_size:
+            return spec
+        return replace(spec, block_size=ring, sliding_window=ring)
+
+    get_kv_cache_spec._glmctl = True
+    Glm5NextTailCache.get_kv_cache_spec = get_kv_cache_spec

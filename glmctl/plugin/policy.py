@@ -98,20 +98,44 @@ def is_glm5_next(model_type: str | None, architectures: list[str] | tuple[str, .
     return any(arch in GLM5_NEXT_ARCHITECTURES for arch in architectures or ())
 
 
-def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: int = 128) -> int:
+def kpool_tail_ring(index_kpool: int, num_speculative_tokens: int = 0) -> int:
+    """Slots of a request's kpool tail ring: one pool (vLLM's), or whole pools enough for MTP.
+
+    A verify step writes the ring at positions ``f .. f + s`` (``f``: the first unverified
+    position, ``s``: draft tokens); a write at ``q`` replaces position ``q - ring``. When a draft
+    at or before a pool boundary is rejected, a later step completes that pool again and needs
+    its accepted tokens, which start as early as ``f + 2 - kpool``. So ``f + s - ring`` must stay
+    below that: ``ring >= kpool + s - 1``. vLLM's one-pool ring is safe for ``s <= 1`` only; with
+    more drafts a rejected draft past the boundary overwrites an accepted token of the pool and
+    the pool is later compressed from the wrong key (a silent change of the sparse selection).
+    Rounded up to whole pools so that a pool's tokens stay contiguous in the ring.
+    """
+    if not index_kpool or index_kpool <= 1:
+        return index_kpool or 0
+    needed = index_kpool + max(num_speculative_tokens, 1) - 1
+    return -(-needed // index_kpool) * index_kpool
+
+
+def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: int = 128,
+                     num_speculative_tokens: int = 0) -> int:
     """Smallest KV block size >= `block_size` that vLLM's kpool indexer caches accept.
 
     vLLM stores one indexer entry (head_dim fp8 values + a 4-byte scale) per `index_kpool`
     tokens and splits each block's entries into pages of 32, so the block must be a multiple of
     32 * index_kpool (`Glm5NextIndexerCache` asserts it). vLLM also pads the tail cache's page
-    (raw bf16 key + gate of one pool: 2 * kpool * head_dim * 2 bytes) to the indexer page, so
-    the indexer page must be at least that large.
+    (raw bf16 key + gate of the tail ring: 2 * ring * head_dim * 2 bytes, `kpool_tail_ring`) to
+    the indexer page, so the indexer page must be at least that large.
     """
     if not index_kpool or index_kpool <= 1:
         return block_size
     unit = 32 * index_kpool
-    tail_page = 2 * index_kpool * index_head_dim * 2
+    tail_page = 2 * kpool_tail_ring(index_kpool, num_speculative_tokens) * index_head_dim * 2
     size = max(unit, -(-block_size // unit) * unit)
     while (size // index_kpool) * (index_head_dim + 4) < tail_page:
         size += unit
     return size
+
+
+def num_speculative_tokens(vllm_config) -> int:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
