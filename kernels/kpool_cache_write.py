@@ -2,8 +2,8 @@
 unchanged on sm_8x, so the GPU path keeps them and the CPU path uses these).
 
 Numerics follow vLLM 0.30's ``models/glm5next/nvidia/ops/kpool_compress.py`` step for step (same
-roundings, same butterfly order), so a pool written here matches one written there except where
-the fp32 softmax sum differs in its last bit before the bf16 rounding:
+roundings, same butterfly order, sums accumulated in pool order), so a pool written here matches
+one written there except where ``exp`` differs in its last bit:
 
 1. pool = ``sum_i softmax_i(gate_i + ape_i) * k_i`` per channel over the ``kpool`` tokens (fp32,
    max-subtracted), rounded to bf16;
@@ -74,7 +74,14 @@ def kpool_compress_ref(slot_k: torch.Tensor, slot_score: torch.Tensor,
     """Pool ``kpool`` tokens into one Hadamard-rotated ue8m0 fp8 key (see module doc)."""
     logits = slot_score.float() + ape.float()
     probs = torch.exp(logits - logits.amax(dim=1, keepdim=True))
-    pooled = (slot_k.float() * probs).sum(dim=1) / probs.sum(dim=1)
+    # Accumulated in pool order, as vLLM's kernels (and ours) do: the fp32 sums then round
+    # to bf16 identically.
+    pooled = torch.zeros_like(probs[:, 0])
+    total = torch.zeros_like(probs[:, 0])
+    for i in range(probs.shape[1]):
+        total += probs[:, i]
+        pooled += slot_k[:, i].float() * probs[:, i]
+    pooled = pooled / total
     x = hadamard128_ref(pooled.to(torch.bfloat16).float()).to(torch.bfloat16).float()
     return _ue8m0_quant(x)
 

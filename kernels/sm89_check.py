@@ -23,6 +23,7 @@ def shipped_configs():
     from . import (
         indexer_logits_paged,
         indexer_logits_ragged,
+        kpool_decode_write,
         kpool_topk,
         mla_cache_write,
         sparse_mla_decode,
@@ -81,6 +82,13 @@ def shipped_configs():
                     num_tokens=i32),
                dict(H=heads, BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=tl.float16),
                dict(num_warps=warps, num_stages=stages))
+    yield ("kpool_decode_update[kpool16 ring18]", kpool_decode_write._kpool_decode_update_kernel,
+           dict(cache_u8_ptr="*u8", cache_f32_ptr="*fp32", page_stride=i64, page_pools=i64,
+                tail_ptr="*bf16", tail_block_stride=i64, tail_half_stride=i64,
+                tail_slot_ptr="*i64", k_ptr="*bf16", k_stride_b=i64, k_stride_t=i64,
+                gate_ptr="*bf16", gate_stride_b=i64, gate_stride_t=i64, ape_ptr="*fp32",
+                slot_ptr="*i64", pos_ptr="*i32", next_n=i32),
+           dict(KPOOL=16, RING=18, D=128), dict(num_warps=1, num_stages=1))
     block, warps = kpool_topk.TOPK_CONFIG
     topk_types = dict(logits_ptr="*fp32", logits_stride=i64, starts_ptr="*i32", seq_ptr="*i32",
                       cand_val_ptr="*fp32", cand_idx_ptr="*i32", out_ptr="*i32", out_stride=i64,

@@ -117,6 +117,8 @@ def _vllm_kpool_writes():
     import torch
     from vllm.models.glm5next.nvidia.ops import kpool_compress as ops
 
+    from glmctl.kernels.kpool_decode_write import kpool_decode_update
+
     def prefill_write(kv_cache, k, gate, ape, slot_mapping, kpool):
         n = slot_mapping.shape[0]
         if n < kpool:
@@ -130,11 +132,17 @@ def _vllm_kpool_writes():
         )
 
     def tail_seed(tail_cache, k, gate, tail_slots, kpool):
-        ops.kpool_seed_tail_cache(tail_cache, k.contiguous(), gate.contiguous(), tail_slots, kpool,
-                                  k.shape[-1])
+        # vLLM's seed kernel addresses the ring by its `kpool` argument; with MTP the ring is
+        # longer than a pool (policy.kpool_tail_ring) and seeding its whole length is harmless.
+        ops.kpool_seed_tail_cache(tail_cache, k.contiguous(), gate.contiguous(), tail_slots,
+                                  tail_cache.shape[2], k.shape[-1])
 
     def decode_update(kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions,
                       kpool):
+        if tail_cache.shape[2] != kpool:  # MTP's longer ring: vLLM's kernel assumes one pool
+            kpool_decode_update(kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping,
+                                positions, kpool)
+            return
         ops.kpool_decode_update_and_maybe_write_cache_batched(
             kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions, kpool,
             k.shape[-1], round_scale=True,

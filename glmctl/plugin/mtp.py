@@ -11,9 +11,9 @@ initialisation unchanged; the tail layers get their own attention group on their
 group, and their metadata is built from their group's block table and the draft positions.
 Nothing changes for models without a kpool tail in the draft.
 
-The tail ring itself (every indexer layer's, target and draft) gets whole pools enough for the
-draft count (`policy.kpool_tail_ring`): with vLLM's one-pool ring a rejected draft past a pool
-boundary overwrites an accepted token of the pool still being filled.
+The tail ring itself (every indexer layer's, target and draft) gets `kpool + drafts - 1` slots
+(`policy.kpool_tail_ring`): with vLLM's one-pool ring a rejected draft past a pool boundary
+overwrites an accepted token of the pool still being filled.
 """
 
 from __future__ import annotations

@@ -99,21 +99,20 @@ def is_glm5_next(model_type: str | None, architectures: list[str] | tuple[str, .
 
 
 def kpool_tail_ring(index_kpool: int, num_speculative_tokens: int = 0) -> int:
-    """Slots of a request's kpool tail ring: one pool (vLLM's), or whole pools enough for MTP.
+    """Slots of a request's kpool tail ring: one pool (vLLM's), or ``kpool + drafts - 1`` with MTP.
 
     A verify step writes the ring at positions ``f .. f + s`` (``f``: the first unverified
-    position, ``s``: draft tokens); a write at ``q`` replaces position ``q - ring``. When a draft
-    at or before a pool boundary is rejected, a later step completes that pool again and needs
-    its accepted tokens, which start as early as ``f + 2 - kpool``. So ``f + s - ring`` must stay
-    below that: ``ring >= kpool + s - 1``. vLLM's one-pool ring is safe for ``s <= 1`` only; with
-    more drafts a rejected draft past the boundary overwrites an accepted token of the pool and
-    the pool is later compressed from the wrong key (a silent change of the sparse selection).
-    Rounded up to whole pools so that a pool's tokens stay contiguous in the ring.
+    position, ``s``: draft tokens), position ``p`` at slot ``p % ring``, so a write at ``q``
+    replaces position ``q - ring``. When a draft at or before a pool boundary is rejected, a
+    later step completes that pool again and needs its accepted tokens, which start as early as
+    ``f + 2 - kpool``; so ``f + s - ring < f + 2 - kpool``: ``ring >= kpool + s - 1``. vLLM's
+    one-pool ring is safe for ``s <= 1`` only: with more drafts, a rejected draft past the
+    boundary overwrites an accepted token of the pool, which is then compressed from the wrong
+    key (a silent change of the sparse selection; measured on the tiny checkpoint).
     """
     if not index_kpool or index_kpool <= 1:
         return index_kpool or 0
-    needed = index_kpool + max(num_speculative_tokens, 1) - 1
-    return -(-needed // index_kpool) * index_kpool
+    return index_kpool + max(num_speculative_tokens, 1) - 1
 
 
 def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: int = 128,
