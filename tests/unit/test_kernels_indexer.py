@@ -17,9 +17,10 @@ _modules = import_interpreted(
     "glmctl.kernels.indexer_logits_paged",
     "glmctl.kernels.indexer_logits_ragged",
     "glmctl.kernels.kpool_topk",
+    "glmctl.kernels.kpool_decode_write",
 )
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
-paged, ragged, topk = _modules or (None, None, None)
+paged, ragged, topk, decode_write = _modules or (None, None, None, None)
 
 
 @pytest.mark.skipif(_modules is not None, reason="ran in this process")
@@ -115,3 +116,48 @@ def test_kpool_topk_matches_reference_on_ties_short_rows_and_tail():
         topk.kpool_topk(logits, seq, two, kpool=kpool, select_pools=select, row_starts=starts,
                         workspace=ws, direct_max=100)  # rows of > 100 pools take two stages
         assert torch.equal(two, want), slices
+
+
+@interpreted
+@pytest.mark.parametrize("kpool, ring", [(16, 18), (4, 6), (4, 4)])
+def test_kpool_decode_update_matches_reference_over_mtp_steps(kpool, ring):
+    """Three requests (distinct tail blocks and pool pages, one padded to fewer tokens) through
+    MTP verify steps with rejected drafts; the Triton kernel and the reference must leave the
+    same ring and the same pools (the pools bit for bit, but for rare last-bit `exp` flips)."""
+    from glmctl.kernels.kpool_cache_write import kpool_decode_update_ref
+
+    num_req, next_n, page_pools = 3, 4, 4
+    blocks = torch.tensor([2, 0, 3])
+    pages = torch.stack([torch.randperm(12)[:6] for _ in range(num_req)])
+    ape = torch.randn(kpool, 128)
+    tail = torch.randn(4, 2, ring, 128).to(torch.bfloat16)
+    cache = (torch.randn(12, page_pools * 132 + 8) * 50).to(torch.uint8)[:, : page_pools * 132]
+    cache = cache.view(12, page_pools, 132)  # page stride > page size, random old contents
+    caches, tails = [cache, cache.clone()], [tail, tail.clone()]
+    first = torch.tensor([kpool - 2, 3 * kpool - 1, 2 * kpool + 1])
+    for step in range(8):
+        pos = first[:, None] + torch.arange(next_n)[None]
+        valid = torch.ones_like(pos, dtype=torch.bool)
+        valid[1, 3:] = False  # request 1 has fewer tokens this step (padding)
+        pool = pos // kpool
+        slots = pages.gather(1, (pool // page_pools).clamp_max(5)) * page_pools + pool % page_pools
+        slots = torch.where(((pos + 1) % kpool == 0) & valid, slots, -1)
+        tail_slots = torch.where(valid, blocks[:, None] * ring + pos % ring, -1)
+        positions = torch.where(valid, pos, -1).int()
+        k = torch.randn(num_req, next_n, 128).to(torch.bfloat16)
+        g = (3 * torch.randn(num_req, next_n, 128)).to(torch.bfloat16)
+        decode_write.kpool_decode_update(caches[0], tails[0], tail_slots, k, g, ape, slots,
+                                         positions, kpool)
+        kpool_decode_update_ref(caches[1], tails[1], tail_slots, k, g, ape, slots, positions,
+                                kpool)
+        first = first + torch.randint(1, next_n + 1, (num_req,))  # 0..3 drafts accepted
+    assert torch.equal(tails[0], tails[1])
+    from glmctl.kernels.layouts import indexer_page_views
+
+    (v0, s0), (v1, s1) = indexer_page_views(caches[0]), indexer_page_views(caches[1])
+    assert torch.equal(s0, s1)
+    differ = (v0.view(torch.uint8) != v1.view(torch.uint8)).any(-1)
+    assert differ.sum() <= 1
+    scale = s1[..., None].double()
+    assert torch.allclose(v0.double() * scale, v1.double() * scale, rtol=0.13, atol=0,
+                          equal_nan=True)  # the random old contents hold NaN bytes

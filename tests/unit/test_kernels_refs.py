@@ -307,3 +307,64 @@ def test_sparse_rows_ref_matches_vllm_conversion():
     tok = torch.tensor([[0, 5, 9, -1, 16], [3, 12, -1, -1, 8]], dtype=torch.int32)
     rows = sparse_rows_ref(tok, torch.tensor([0, 1], dtype=torch.int32), block_table, 8, 10)
     assert rows.tolist() == [[30, 35, 11, -1, -1], [3, 24, -1, -1, 20]]
+
+
+def _mtp_verify_schedule(cache, tail, k_true, g_true, ape, prefill, accepted, pool_slot, decode,
+                         kpool=KPOOL, drafts=3):
+    """Drive a kpool decode update through MTP verify steps: each step writes the first unverified
+    token (true) and `drafts` drafts, of which the first `accepted[i]` are true and the rest
+    carry garbage keys (rejected); the next step starts right after the accepted ones."""
+    ring = tail.shape[2]
+    f = prefill
+    for a in accepted:
+        pos = torch.arange(f, f + 1 + drafts)
+        k = torch.randn(1 + drafts, 128).to(torch.bfloat16) * 9
+        g = torch.randn(1 + drafts, 128).to(torch.bfloat16) * 9
+        k[: 1 + a], g[: 1 + a] = k_true[f : f + 1 + a], g_true[f : f + 1 + a]
+        slots = torch.tensor([pool_slot(int(p)) for p in pos])
+        decode(cache, tail, (pos % ring)[None], k[None], g[None], ape, slots[None],
+               pos[None].int(), kpool)
+        f += a + 1
+    return f  # tokens 0 .. f - 1 are final
+
+
+@pytest.mark.parametrize("drafts", [2, 3])
+def test_kpool_mtp_rejections_keep_every_pool_exact_with_the_policy_ring(drafts):
+    """Verify steps that accept 0..drafts drafts, with rejected drafts crossing pool boundaries:
+    with the plugin's ring (kpool + drafts - 1 slots) every final pool is the compression of its
+    true tokens; vLLM's one-pool ring loses an accepted token to a rejected draft."""
+    from glmctl.plugin.policy import kpool_tail_ring
+
+    torch.manual_seed(torch.seed() % 2**31)
+    total, prefill = 64, 6
+    k_true = torch.randn(total, 128).to(torch.bfloat16)
+    g_true = torch.randn(total, 128).to(torch.bfloat16)
+    ape = torch.randn(KPOOL, 128)
+    accepted = [0, drafts, 1, 0, 0, drafts - 1, 1, 0, drafts, 0, 0, 1, 0, 0, 0, 1, 0, 0]
+
+    def pool_slot(pos):
+        return pos // KPOOL if (pos + 1) % KPOOL == 0 else -1
+
+    def run(ring):
+        cache = torch.zeros(1, 32, 132, dtype=torch.uint8)
+        tail = torch.zeros(1, 2, ring, 128, dtype=torch.bfloat16)
+        pos = torch.arange(prefill)
+        slots = torch.tensor([pool_slot(int(p)) for p in pos])
+        kpool_prefill_write_ref(cache, k_true[:prefill], g_true[:prefill], ape, slots, KPOOL)
+        kpool_tail_seed_ref(tail, k_true[:prefill], g_true[:prefill], pos % ring, KPOOL)
+        done = _mtp_verify_schedule(cache, tail, k_true, g_true, ape, prefill, accepted, pool_slot,
+                                    kpool_decode_update_ref, drafts=drafts)
+        values, scales = layouts.indexer_page_views(cache)
+        wrong = []
+        for pool in range(done // KPOOL):
+            want = kpool_compress_ref(k_true[pool * KPOOL : pool * KPOOL + KPOOL][None],
+                                      g_true[pool * KPOOL : pool * KPOOL + KPOOL][None], ape)
+            if not (torch.equal(values[0, pool].view(torch.uint8), want[0][0].view(torch.uint8))
+                    and scales[0, pool] == want[1][0]):
+                wrong.append(pool)
+        return done, wrong
+
+    done, wrong = run(kpool_tail_ring(KPOOL, drafts))
+    assert done // KPOOL >= 8 and wrong == []
+    _, wrong = run(KPOOL)
+    assert wrong, "the schedule must exercise the one-pool ring's hazard"

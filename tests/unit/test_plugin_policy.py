@@ -11,6 +11,7 @@ from glmctl.plugin.policy import (
     decide_platform,
     is_glm5_next,
     kpool_block_size,
+    kpool_tail_ring,
 )
 
 
@@ -84,3 +85,17 @@ def test_kpool_block_size(block, kpool, head_dim, expected):
     if kpool and kpool > 1:
         assert size % (32 * kpool) == 0
         assert (size // kpool) * (head_dim + 4) >= 2 * kpool * head_dim * 2
+
+
+@pytest.mark.parametrize("kpool, drafts, ring", [(16, 0, 16), (16, 1, 16), (16, 3, 18),
+                                                 (4, 3, 6), (4, 8, 11), (None, 3, 0)])
+def test_kpool_tail_ring(kpool, drafts, ring):
+    assert kpool_tail_ring(kpool, drafts) == ring
+
+
+def test_kpool_block_size_fits_the_mtp_tail_ring():
+    # The tiny checkpoint, bf16 KV: one pool's tail (8 KiB) fits 1024-token blocks; MTP-3's
+    # 18-slot ring (9 KiB) needs 1536.
+    assert kpool_block_size(16, 16, 128) == 1024
+    assert kpool_block_size(16, 16, 128, num_speculative_tokens=3) == 1536
+    assert kpool_block_size(2048, 16, 128, num_speculative_tokens=3) == 2048
