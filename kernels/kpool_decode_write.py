@@ -32,7 +32,6 @@ from .fp8_bits import e4m3_bits
 from .layouts import FP8_MAX, INDEXER_HEAD_DIM, INDEXER_ROW_BYTES
 
 
-
 @triton.jit
 def _round_bf16(x):
     """fp32 -> nearest bf16 (ties to even), returned as fp32, in integer operations: what the

@@ -298,3 +298,68 @@ def test_indexer_logits_ragged_prefill_real_shapes():
     visible = torch.isfinite(want)
     err = (out[visible].double() - want[visible]).abs()
     assert float((err / (want[visible].abs() + 1e-3 * want[visible].abs().max())).max()) < 1e-4
+
+
+def test_kpool_decode_update_mtp_ring_matches_reference_and_replays_in_a_graph():
+    """The Triton kpool decode update the plugin uses with MTP (tail ring of kpool + 3 - 1 = 18
+    slots) against the torch reference: 48 requests x 4 verify tokens per step, rejected drafts,
+    pool boundaries crossed; then the same step captured in a CUDA graph and replayed with new
+    tokens. Rings must match exactly; pools bit for bit but for rare last-bit exp/FMA flips."""
+    from glmctl.kernels.kpool_cache_write import kpool_decode_update_ref
+    from glmctl.kernels.kpool_decode_write import kpool_decode_update
+    from glmctl.kernels.layouts import indexer_page_views
+
+    ring, num_req, next_n, page_pools = KPOOL + 2, 48, 4, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ape = torch.randn(KPOOL, 128, generator=g, device=_dev())
+    base = _pool_cache(200, page_pools)
+    caches = [base, base.clone()]
+    tail = torch.randn(num_req, 2, ring, 128, generator=g, device=_dev()).to(torch.bfloat16)
+    tails = [tail, tail.clone()]
+    pages = torch.stack([torch.randperm(200, generator=g, device=_dev())[:8]
+                         for _ in range(num_req)])
+    first = torch.randint(0, 400, (num_req,), generator=g, device=_dev())
+    blocks = torch.randperm(num_req, generator=g, device=_dev())
+
+    def step_inputs(first):
+        pos = first[:, None] + torch.arange(next_n, device=_dev())[None]
+        pool = pos // KPOOL
+        slots = pages.gather(1, pool // page_pools) * page_pools + pool % page_pools
+        slots = torch.where((pos + 1) % KPOOL == 0, slots, -1)
+        tail_slots = blocks[:, None] * ring + pos % ring
+        k = torch.randn(num_req, next_n, 128, generator=g, device=_dev()).to(torch.bfloat16)
+        gate = (3 * torch.randn(num_req, next_n, 128, generator=g, device=_dev())).to(torch.bfloat16)
+        return tail_slots, k, gate, slots, pos.int()
+
+    for _ in range(12):
+        args = step_inputs(first)
+        kpool_decode_update(caches[0], tails[0], *args[:3], ape, *args[3:], KPOOL)
+        kpool_decode_update_ref(caches[1], tails[1], *args[:3], ape, *args[3:], KPOOL)
+        first = first + torch.randint(1, next_n + 1, (num_req,), generator=g, device=_dev())
+
+    def compare():
+        assert torch.equal(tails[0], tails[1])
+        (v0, s0), (v1, s1) = indexer_page_views(caches[0]), indexer_page_views(caches[1])
+        assert torch.equal(s0, s1)
+        differ = (v0.view(torch.uint8) != v1.view(torch.uint8)).any(-1)
+        assert int(differ.sum()) <= max(1, num_req // 10)
+        scale = s1[..., None].double()
+        assert torch.allclose(v0.double() * scale, v1.double() * scale, rtol=0.13, atol=0,
+                              equal_nan=True)
+
+    compare()
+    # Captured once, replayed with new tokens at the same positions (a static graph's inputs).
+    static = step_inputs(first)
+    kpool_decode_update(caches[0], tails[0], *static[:3], ape, *static[3:], KPOOL)  # warm-up
+    kpool_decode_update_ref(caches[1], tails[1], *static[:3], ape, *static[3:], KPOOL)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kpool_decode_update(caches[0], tails[0], *static[:3], ape, *static[3:], KPOOL)
+    for _ in range(5):
+        fresh = step_inputs(first)
+        static[1].copy_(fresh[1])
+        static[2].copy_(fresh[2])
+        graph.replay()
+        kpool_decode_update_ref(caches[1], tails[1], *static[:3], ape, *static[3:], KPOOL)
+    torch.cuda.synchronize()
+    compare()

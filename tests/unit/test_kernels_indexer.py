@@ -135,7 +135,7 @@ def test_kpool_decode_update_matches_reference_over_mtp_steps(kpool, ring):
     cache = cache.view(12, page_pools, 132)  # page stride > page size, random old contents
     caches, tails = [cache, cache.clone()], [tail, tail.clone()]
     first = torch.tensor([kpool - 2, 3 * kpool - 1, 2 * kpool + 1])
-    for step in range(8):
+    for _ in range(8):
         pos = first[:, None] + torch.arange(next_n)[None]
         valid = torch.ones_like(pos, dtype=torch.bool)
         valid[1, 3:] = False  # request 1 has fewer tokens this step (padding)
