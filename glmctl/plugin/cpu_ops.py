@@ -10,7 +10,8 @@ changes, so its data flow, caches and metadata stay vLLM's own.
   (mHC: see `glmctl.plugin.mhc`, installed on every target)
   q/kv norm    the fused Triton q_a/kv_a RMSNorm
   indexer      Hadamard+FP8 query quantisation and three `torch.compile` helpers (eager)
-  MTP          the fused Triton embed/hidden norm of the draft layer
+  MTP          the fused Triton embed/hidden norm of the draft layer; draft step and
+               verification in `cpu_mtp`
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ import torch.nn.functional as F
 
 from glmctl.kernels.kda import chunk_kda_varlen, fused_recurrent_kda_varlen
 from glmctl.kernels.kda_conv import causal_conv1d_update_ref
+from glmctl.plugin.cpu_mtp import WithoutWarmup
 
 
 def install() -> list[str]:
-    from glmctl.plugin import cpu_metadata
+    from glmctl.plugin import cpu_metadata, cpu_mtp
 
     _install_kda()
     _install_mla_q_kv_norm()
     _install_indexer_helpers()
     _install_mtp_norm()
-    _install_eagle_step_kernel()
-    _install_greedy_rejection()
+    cpu_mtp.install()
     cpu_metadata.install()
     return ["KDA/conv (torch)", "q/kv RMSNorm", "indexer q-quant + metadata", "MTP eh-norm",
-            "MTP verify (torch)"]
+            "MTP verify (torch, greedy and sampled)"]
 
 
 # -- KDA ----------------------------------------------------------------------------------------
@@ -90,7 +91,7 @@ def _install_kda() -> None:
     kda.chunk_kda_with_fused_gate = chunk_kda_with_fused_gate
     kda.fused_recurrent_kda = fused_recurrent_kda
     kda.gather_initial_states = gather_initial_states
-    kda.scatter_states = _WithoutWarmup(scatter_states)
+    kda.scatter_states = WithoutWarmup(scatter_states)
     kda.causal_conv1d_update = causal_conv1d_update_ref
     kda._cast_sigmoid = _cast_sigmoid
 
@@ -185,78 +186,3 @@ def _install_mtp_norm() -> None:
     from vllm.models.glm5next.nvidia import mtp
 
     mtp.fused_eh_norm = fused_eh_norm
-
-
-def eagle_step_update_slot_mapping_and_metadata(positions_1d, block_table_tensor, seq_lens,
-                                                 block_size, max_model_len, out_clamped_positions,
-                                                 out_slot_mapping, input_batch_size=None):
-    """One autoregressive draft step: position + 1 (0 past max_model_len), its slot, seq_len + 1.
-
-    Same outputs as vLLM's Triton kernel; slots past the batch (graph padding) get -1.
-    """
-    batch = positions_1d.shape[0]
-    input_batch_size = batch if input_batch_size is None else input_batch_size
-    new = positions_1d + 1
-    exceeds = new >= max_model_len
-    clamped = torch.where(exceeds, torch.zeros_like(new), new)
-    block = (clamped // block_size).clamp_max(block_table_tensor.shape[1] - 1)
-    blocks = block_table_tensor[torch.arange(batch, device=block.device), block].to(torch.int64)
-    slots = torch.where(exceeds, -1, blocks * block_size + clamped % block_size)
-    out_clamped_positions[:batch] = clamped.to(out_clamped_positions.dtype)
-    out_slot_mapping[:batch] = slots.to(out_slot_mapping.dtype)
-    out_slot_mapping[batch:input_batch_size] = -1
-    new_lens = torch.where(exceeds, torch.ones_like(seq_lens[:batch]), seq_lens[:batch] + 1)
-    seq_lens[:batch] = new_lens.clamp_max(max_model_len)
-
-
-def _install_eagle_step_kernel() -> None:
-    """vLLM CPU swaps a C++ version of the draft-step kernel in under a module name the drafter
-    no longer calls (and with a stale signature); give the drafter a torch version by name."""
-    from vllm.v1.spec_decode import llm_base_proposer
-
-    llm_base_proposer.eagle_step_update_slot_mapping_and_metadata = (
-        eagle_step_update_slot_mapping_and_metadata
-    )
-
-
-def rejection_greedy_sample(output_token_ids, cu_num_draft_tokens, draft_token_ids, target_argmax,
-                            bonus_token_ids, is_greedy, max_spec_len, uniform_probs,
-                            synthetic_conditional_rates):
-    """Greedy verification of draft tokens (vLLM's kernel semantics): per request, emit the
-    target's argmax at each draft position up to and including the first mismatch; if every
-    draft matched, append the bonus token."""
-    if synthetic_conditional_rates is not None:
-        raise NotImplementedError("synthetic acceptance rates on vLLM CPU")
-    ends = cu_num_draft_tokens.tolist()
-    for req, end in enumerate(ends):
-        if is_greedy is not None and not bool(is_greedy[req]):
-            continue
-        start = ends[req - 1] if req else 0
-        drafts = draft_token_ids[start:end].to(torch.int64)
-        target = target_argmax[start:end].to(torch.int64)
-        mismatch = (drafts != target).nonzero()
-        keep = int(mismatch[0]) + 1 if mismatch.numel() else end - start
-        output_token_ids[req, :keep] = target[:keep].to(output_token_ids.dtype)
-        if not mismatch.numel():
-            output_token_ids[req, keep] = bonus_token_ids[req].to(output_token_ids.dtype)
-
-
-def _install_greedy_rejection() -> None:
-    """Same vLLM CPU issue as the draft-step kernel, for greedy rejection sampling."""
-    from vllm.v1.sample import rejection_sampler
-
-    rejection_sampler._rejection_greedy_sample = _WithoutWarmup(rejection_greedy_sample)
-
-
-class _WithoutWarmup:
-    """A torch function standing in for a vLLM Triton dispatcher (which also takes warmup
-    registrations; on CPU there is nothing to warm up)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-    def register_warmup(self, *args, **kwargs) -> None:
-        pass
