@@ -145,7 +145,11 @@ def mla_cache_write_ref(kv_c: torch.Tensor, slot_mapping: torch.Tensor, kv_cache
         kv_cache.view(torch.uint8)[block, row] = values.view(torch.uint8)
         return
     tiles = x.float().unflatten(-1, (LATENT_DIM // SCALE_TILE, SCALE_TILE))
-    scale = (tiles.abs().amax(-1) / FP8_MAX).clamp_min(FLT_MIN)
+    amax = tiles.abs().amax(-1)
+    # A tensor divisor, not the Python scalar: torch on CUDA turns `t / 448.0` into `t * (1/448)`,
+    # which is not the IEEE quotient the kernel (div_rn) and the CPU compute (1 ulp apart, seen
+    # on the H200 gpu lane).
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(FLT_MIN)
     values = (tiles / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     packed = torch.zeros((x.shape[0], FP8_DS_MLA_ROW_BYTES), dtype=torch.uint8, device=x.device)
     packed[:, :LATENT_DIM] = values.flatten(-2).view(torch.uint8)
