@@ -58,7 +58,7 @@ class KvCacheLayout(BaseModel):
     mla_bytes_per_token: int  # per MLA layer
     mla_page_bytes: int
     indexer_page_bytes: int
-    tail_page_bytes: int  # unpadded (raw K + gate of one pool)
+    tail_page_bytes: int  # unpadded (raw K + gate of the tail ring: one pool, more under MTP with glmctl)
     kda_conv_state_bytes: int
     kda_recurrent_state_bytes: int
     num_mla_layers: int  # including the MTP layers when MTP drafts
@@ -143,18 +143,32 @@ def kv_cache_layout(
     prefix_caching: bool,
     kernel_block_size: int = 64,
     user_block_size: int | None = None,
+    glmctl_plugin: bool = True,
 ) -> KvCacheLayout:
-    """The layout vLLM builds on each GPU. `mtp_layers`: MTP layers whose KV joins the pool."""
+    """The layout vLLM builds on each GPU. `mtp_layers`: MTP layers whose KV joins the pool.
+
+    `glmctl_plugin`: plan vLLM with glmctl's plugin active (the product: sm_8x and vLLM CPU), whose
+    kpool tail ring holds `kpool + drafts - 1` tokens under MTP (vLLM's one-pool ring loses
+    accepted tokens when a draft is rejected) and whose block-size rule grows the block until the
+    indexer page can hold that tail (`glmctl.plugin.policy`, the one place both rules live).
+    False plans stock vLLM 0.30 (what tests/vllm/test_plan_vs_vllm.py compares with).
+    """
     conv, recurrent = kda_state_bytes(model, tp, num_spec)
     num_kda = len(model.kda_layers)
     block = resolve_block_size(model, kv_cache_dtype, conv + recurrent if num_kda else 0,
                                kernel_block_size, user_block_size)
+    ring = model.index_kpool
+    if glmctl_plugin and model.has_indexer and model.index_kpool > 1:
+        from glmctl.plugin.policy import kpool_block_size, kpool_tail_ring
+
+        ring = kpool_tail_ring(model.index_kpool, num_spec)
+        block = kpool_block_size(block, model.index_kpool, model.index_head_dim, num_spec)
     num_mla = len(model.mla_layers) + mtp_layers
     mla_tok = mla_bytes_per_token(model, kv_cache_dtype)
     kpool = model.index_kpool
     idx_page = (block // kpool) * indexer_state_bytes(model) if model.has_indexer else 0
     num_idx = num_mla if model.has_indexer else 0
-    tail_page = 2 * kpool * model.index_head_dim * 2 if model.has_indexer and kpool > 1 else 0
+    tail_page = 2 * ring * model.index_head_dim * 2 if model.has_indexer and kpool > 1 else 0
     mla_page = block * mla_tok
     groups = cdiv(num_kda, num_mla) if num_kda and num_mla else 0
     error = _layout_error(model, block, mla_page, idx_page, tail_page, conv + recurrent, num_mla)

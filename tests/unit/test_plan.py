@@ -110,11 +110,31 @@ def test_mtp_adds_a_layer_widens_conv_state_and_spec_blocks(glm):
 
 def test_tiny_bf16_at_block_512_is_refused_like_vllm(tiny_config):
     tiny = load_model_spec(tiny_config)
-    layout = kv_cache_layout(tiny, tp=1, kv_cache_dtype="auto", num_spec=0, mtp_layers=0, prefix_caching=False)
+    layout = kv_cache_layout(tiny, tp=1, kv_cache_dtype="auto", num_spec=0, mtp_layers=0, prefix_caching=False,
+                             glmctl_plugin=False)
     assert layout.block_size == 512 and "--block-size 1024" in layout.error
     fixed = kv_cache_layout(tiny, tp=1, kv_cache_dtype="auto", num_spec=0, mtp_layers=0, prefix_caching=False,
-                            user_block_size=1024)
+                            user_block_size=1024, glmctl_plugin=False)
     assert fixed.error is None and kv_capacity(fixed, GIB, 8192).kv_tokens > 8192
+    # glmctl's plugin picks that block size itself
+    ours = kv_cache_layout(tiny, tp=1, kv_cache_dtype="auto", num_spec=0, mtp_layers=0, prefix_caching=False)
+    assert ours.error is None and ours.block_size == 1024
+
+
+def test_plugin_mtp_tail_ring_and_block_rule():
+    """With MTP-3 the plugin's kpool tail ring holds kpool + 3 - 1 = 18 tokens (9,216 B at head
+    dim 128); bf16 KV at TP8 then needs block 1536 (indexer page 12,672 B), stock vLLM uses 1024."""
+    glm = load_model_spec("glm-5.3-flash")
+    stock = kv_cache_layout(glm, tp=8, kv_cache_dtype="auto", num_spec=3, mtp_layers=1, prefix_caching=True,
+                            glmctl_plugin=False)
+    ours = kv_cache_layout(glm, tp=8, kv_cache_dtype="auto", num_spec=3, mtp_layers=1, prefix_caching=True)
+    assert stock.tail_page_bytes == 2 * 16 * 128 * 2 and ours.tail_page_bytes == 2 * 18 * 128 * 2
+    assert ours.error is None and ours.indexer_page_bytes >= ours.tail_page_bytes
+    assert (stock.block_size, ours.block_size) == (1024, 1536)
+    fp8 = kv_cache_layout(glm, tp=8, kv_cache_dtype="fp8", num_spec=3, mtp_layers=1, prefix_caching=True)
+    fp8_stock = kv_cache_layout(glm, tp=8, kv_cache_dtype="fp8", num_spec=3, mtp_layers=1, prefix_caching=True,
+                                glmctl_plugin=False)
+    assert fp8.block_size == fp8_stock.block_size  # the shipped profiles' setup: unchanged
 
 
 # --- capacity, sessions, does-not-fit --------------------------------------------------------

@@ -84,7 +84,7 @@ def _planner(case: dict):
         model, tp=case["tp"], kv_cache_dtype=case["kv_cache_dtype"], num_spec=case["num_spec"],
         mtp_layers=model.num_nextn_predict_layers if case["num_spec"] else 0,
         prefix_caching=case["prefix_caching"], kernel_block_size=case["kernel_block_size"],
-        user_block_size=case.get("user_block_size"),
+        user_block_size=case.get("user_block_size"), glmctl_plugin=False,  # the oracle is stock vLLM
     )
     return layout, kv_capacity(layout, case["available_bytes"], case["max_model_len"])
 
