@@ -24,25 +24,26 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-# (name, function) for leaf commands; (name, Typer) for command groups.
-COMMANDS = [
-    ("plan", plan.plan),
-    ("fetch", fetch.fetch),
+# The table, in the order an operator meets the commands: probe the node, get and convert the
+# weights, plan, serve, check quality and speed (Typer lists the single commands before the
+# groups). A function is a command, a Typer a command group.
+REGISTRY = [
     ("doctor", doctor.doctor),
-    ("bench", bench.bench),
-    ("serve", serve.serve),
-]
-GROUPS = [
+    ("fetch", fetch.fetch),
     ("quantize", quantize.app),
-    ("testing", testing.app),
-    ("eval", eval_commands.app),
+    ("plan", plan.plan),
     ("profile", profile.app),
+    ("serve", serve.serve),
+    ("eval", eval_commands.app),
+    ("bench", bench.bench),
+    ("testing", testing.app),
 ]
 
-for _name, _func in COMMANDS:
-    app.command(name=_name, epilog=getattr(_func, "epilog", None))(_func)
-for _name, _group in GROUPS:
-    app.add_typer(_group, name=_name)
+for _name, _entry in REGISTRY:
+    if isinstance(_entry, typer.Typer):
+        app.add_typer(_entry, name=_name)
+    else:
+        app.command(name=_name, epilog=getattr(_entry, "epilog", None))(_entry)
 
 
 def _version(value: bool) -> None:
