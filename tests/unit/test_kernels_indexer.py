@@ -123,16 +123,21 @@ def test_kpool_topk_matches_reference_on_ties_short_rows_and_tail():
 def test_kpool_decode_update_matches_reference_over_mtp_steps(kpool, ring):
     """Three requests (distinct tail blocks and pool pages, one padded to fewer tokens) through
     MTP verify steps with rejected drafts; the Triton kernel and the reference must leave the
-    same ring and the same pools (the pools bit for bit, but for rare last-bit `exp` flips)."""
+    same ring and the same pools (the pools bit for bit, but for rare last-bit `exp` flips).
+
+    A flip moves one bf16 element of the pooled key by an ulp before the Hadamard rotation,
+    which spreads it over all 128 outputs: small outputs may then land a few fp8 codes apart,
+    so the tolerance is relative to the row's scale, not to each value."""
     from glmctl.kernels.kpool_cache_write import kpool_decode_update_ref
 
+    seed = torch.seed()  # fresh inputs each run; the seed reproduces a failure
     num_req, next_n, page_pools = 3, 4, 4
     blocks = torch.tensor([2, 0, 3])
-    pages = torch.stack([torch.randperm(12)[:6] for _ in range(num_req)])
+    pages = torch.randperm(18).view(num_req, 6)  # disjoint, as vLLM's allocator gives them
     ape = torch.randn(kpool, 128)
     tail = torch.randn(4, 2, ring, 128).to(torch.bfloat16)
-    cache = (torch.randn(12, page_pools * 132 + 8) * 50).to(torch.uint8)[:, : page_pools * 132]
-    cache = cache.view(12, page_pools, 132)  # page stride > page size, random old contents
+    cache = (torch.randn(18, page_pools * 132 + 8) * 50).to(torch.uint8)[:, : page_pools * 132]
+    cache = cache.view(18, page_pools, 132)  # page stride > page size, random old contents
     caches, tails = [cache, cache.clone()], [tail, tail.clone()]
     first = torch.tensor([kpool - 2, 3 * kpool - 1, 2 * kpool + 1])
     for _ in range(8):
@@ -151,13 +156,13 @@ def test_kpool_decode_update_matches_reference_over_mtp_steps(kpool, ring):
         kpool_decode_update_ref(caches[1], tails[1], tail_slots, k, g, ape, slots, positions,
                                 kpool)
         first = first + torch.randint(1, next_n + 1, (num_req,))  # 0..3 drafts accepted
-    assert torch.equal(tails[0], tails[1])
+    assert torch.equal(tails[0], tails[1]), seed
     from glmctl.kernels.layouts import indexer_page_views
 
     (v0, s0), (v1, s1) = indexer_page_views(caches[0]), indexer_page_views(caches[1])
-    assert torch.equal(s0, s1)
+    assert torch.equal(s0.view(torch.int32), s1.view(torch.int32)), seed  # bytes: NaN garbage
     differ = (v0.view(torch.uint8) != v1.view(torch.uint8)).any(-1)
-    assert differ.sum() <= 1
-    scale = s1[..., None].double()
-    assert torch.allclose(v0.double() * scale, v1.double() * scale, rtol=0.13, atol=0,
-                          equal_nan=True)  # the random old contents hold NaN bytes
+    assert differ.sum() <= 1, seed
+    if differ.any():  # a written row (the old contents are identical in both caches)
+        a, b = v0[differ].double(), v1[differ].double()
+        assert torch.allclose(a, b, rtol=0.13, atol=448 * 2**-10), (seed, a, b)
