@@ -11,7 +11,9 @@ def register() -> None:
     from glmctl.plugin.activation import register_once
     from glmctl.plugin.communicator import install_collectives
     from glmctl.plugin.exl3_config import register_exl3_quantization
+    from glmctl.plugin.fp8_attention import install_fp8_attention
 
     register_exl3_quantization()  # EXL3-experts checkpoints on any platform; GLMCTL_EXL3=off skips it
     register_once()
+    install_fp8_attention()  # block-FP8 attention projections on any platform; GLMCTL_FP8_ATTENTION=off skips it
     install_collectives()  # only GLMCTL_COLLECTIVES=host-staged|auto on CUDA; else nothing is touched

@@ -1,0 +1,186 @@
+"""Which GLM-5.3-Flash attention projections the plugin builds in block FP8 (rules only: no torch,
+no vLLM, so they are unit-testable anywhere).
+
+Stock vLLM 0.30 builds every KDA and MLA projection without a quant config, so a block-FP8
+checkpoint (`glmctl quantize fp8`) is either dequantised at load or refused there
+(`glmctl.quantize.glm5next`). With the plugin, each projection is one *unit* (one GEMM in vLLM):
+
+| layer | unit (module under self_attn)  | checkpoint leaves, in GEMM order   | with an FP8 checkpoint          |
+|-------|--------------------------------|------------------------------------|---------------------------------|
+| KDA   | in_proj_qkvbfg_a.qkv           | q_proj, k_proj, v_proj             | FP8 GEMM                        |
+| KDA   | in_proj_qkvbfg_a.bfg_a         | b_proj, f_a_proj, g_a_proj         | BF16 GEMM (FP8 on disk: dequantised at load) |
+| KDA   | f_b_proj, g_b_proj, o_proj     | same name                          | FP8 GEMM                        |
+| MLA   | fused_qkv_a_proj               | q_a_proj, kv_a_proj_with_mqa       | FP8 GEMM                        |
+| MLA   | q_b_proj, o_proj, indexer.wq_b | same name                          | FP8 GEMM                        |
+| MLA   | kv_b_proj                      | kv_b_proj                          | BF16 (dequantised at load)      |
+| MLA   | indexer.wk_weights_proj        | indexer.wk, indexer.weights_proj   | BF16 (dequantised at load)      |
+
+Why the BF16 rows stay BF16:
+- `b_proj` has one row per head (64, or 8 per rank at TP 8): inside a fused FP8 GEMM it would end
+  in a partial 128-row block and shift the scale blocks of `f_a`/`g_a` behind it (vLLM rounds each
+  shard's scale offset up to a block, its kernels index scales by row // 128). So vLLM's fused
+  `in_proj_qkvbfg_a` becomes two GEMMs and the layer concatenates them back in vLLM's order.
+- `kv_b_proj`: vLLM's `MLAAttention` absorbs it into BF16 `W_UK_T`/`W_UV` after loading (it has no
+  FP8 batched matmul). Those alias a BF16 `kv_b_proj` weight but are a separate copy of an FP8 one,
+  so FP8 would hold 3 bytes per weight instead of 2.
+- `indexer.wk` is fused with `weights_proj`, whose weights the indexer reads in fp32 straight from
+  the fused parameter; both are replicated 128 + 32 rows (about 1 MiB per layer).
+
+A unit is FP8 when every leaf of it has a `weight_scale_inv` in the checkpoint (read from its
+index, or the shard headers) and its shape fits block FP8 at the tensor-parallel size (vLLM's
+`validate_fp8_block_shape` rule: K and every shard's rows per rank are whole blocks, except the
+last shard of an unsplit fused GEMM). When the checkpoint's tensor names cannot be read (a hub id
+not in the local cache), the quantization config's `modules_to_not_convert` decides instead, and a
+BF16 tensor arriving for an FP8-built unit stops the load with a clear error.
+
+Switches: GLMCTL_FP8_ATTENTION=off (or GLMCTL_PLUGIN=off) leaves vLLM as shipped;
+GLMCTL_FP8_ATTENTION_METHOD=vllm|dequant picks the FP8 units' linear method (default: vLLM's
+`Fp8LinearMethod` on GPUs, the exact dequantise-at-load method on vLLM's CPU platform).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_SWITCH = "GLMCTL_FP8_ATTENTION"
+ENV_METHOD = "GLMCTL_FP8_ATTENTION_METHOD"
+# Set by the process that saw a block-FP8 GLM-5.3-Flash config; inherited by engine and workers.
+ENV_ACTIVE = "GLMCTL_FP8_ATTENTION_ACTIVE"
+
+KDA_QKV = ("q_proj", "k_proj", "v_proj")
+KDA_BFG_A = ("b_proj", "f_a_proj", "g_a_proj")
+KDA_INPUT = KDA_QKV + KDA_BFG_A  # vLLM's in_proj_qkvbfg_a shard order
+MLA_QKV_A = ("q_a_proj", "kv_a_proj_with_mqa")
+
+# unit -> checkpoint leaves (relative to self_attn), for the units that can be FP8
+FP8_UNITS: dict[str, dict[str, tuple[str, ...]]] = {
+    "kda": {"in_proj_qkvbfg_a.qkv": KDA_QKV, "f_b_proj": ("f_b_proj",), "g_b_proj": ("g_b_proj",),
+            "o_proj": ("o_proj",)},
+    "mla": {"fused_qkv_a_proj": MLA_QKV_A, "q_b_proj": ("q_b_proj",), "o_proj": ("o_proj",),
+            "indexer.wq_b": ("indexer.wq_b",)},
+}
+# units that stay in the model dtype whatever the checkpoint holds
+BF16_UNITS: dict[str, dict[str, tuple[str, ...]]] = {
+    "kda": {"in_proj_qkvbfg_a.bfg_a": KDA_BFG_A},
+    "mla": {"kv_b_proj": ("kv_b_proj",), "indexer.wk_weights_proj": ("indexer.wk", "indexer.weights_proj")},
+}
+
+_SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mtp_block\.)?self_attn\.(.+)$")
+_OFF = ("off", "0", "false", "no")
+
+
+def switched_off(environ=os.environ) -> bool:
+    return any(environ.get(var, "").strip().lower() in _OFF for var in (ENV_SWITCH, "GLMCTL_PLUGIN"))
+
+
+def method_kind(platform_is_cpu: bool, environ=os.environ) -> str:
+    """"vllm" (vLLM's Fp8LinearMethod: FP8 in memory) or "dequant" (exact BF16 at load)."""
+    value = environ.get(ENV_METHOD, "").strip().lower()
+    if value in ("vllm", "dequant"):
+        return value
+    if value:
+        raise ValueError(f"{ENV_METHOD}={value!r} is not vllm or dequant")
+    return "dequant" if platform_is_cpu else "vllm"
+
+
+def site(name: str) -> tuple[int, str] | None:
+    """(layer, leaf under self_attn) of a module name: checkpoint (`model.layers.3.self_attn.q_proj`,
+    `model.language_model.layers...`) and vLLM prefixes (`...layers.4.mtp_block.self_attn...`)."""
+    m = _SITE.search(name)
+    return (int(m[1]), m[2]) if m else None
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """What the plugin needs from a block-FP8 quantization config."""
+
+    block: int
+    ignored: frozenset[str]  # modules_to_not_convert / ignored_layers, as written
+
+
+def block_fp8_of(weight_block_size, serialized: bool, activation_scheme: str,
+                 ignored: Iterable[str] | None) -> BlockFp8 | None:
+    """None unless the config is serialized block FP8 with one square block and dynamic activations."""
+    if not serialized or weight_block_size is None or activation_scheme != "dynamic":
+        return None
+    sizes = list(weight_block_size)
+    if len(sizes) != 2 or sizes[0] != sizes[1] or sizes[0] <= 0:
+        return None
+    return BlockFp8(int(sizes[0]), frozenset(ignored or ()))
+
+
+@dataclass(frozen=True)
+class AttentionFp8Selection:
+    """The attention weights that are block FP8 in the checkpoint, by (layer, leaf)."""
+
+    block: int
+    fp8: frozenset[tuple[int, str]] | None  # None: unknown, decided by `ignored`
+    ignored: frozenset[tuple[int, str]]
+    source: str  # where `fp8` came from, for the log line
+
+    def all_fp8(self, layer: int, leaves: Sequence[str]) -> bool:
+        if self.fp8 is not None:
+            return all((layer, leaf) in self.fp8 for leaf in leaves)
+        return not any((layer, leaf) in self.ignored for leaf in leaves)
+
+
+def select(cfg: BlockFp8, tensor_names: Iterable[str] | None) -> AttentionFp8Selection:
+    ignored = frozenset(s for s in (site(n) for n in cfg.ignored) if s is not None)
+    if tensor_names is None:
+        return AttentionFp8Selection(cfg.block, None, ignored, "quantization_config")
+    suffix = ".weight_scale_inv"
+    fp8 = frozenset(s for s in (site(n[: -len(suffix)]) for n in tensor_names if n.endswith(suffix))
+                    if s is not None)
+    return AttentionFp8Selection(cfg.block, fp8, ignored, "checkpoint")
+
+
+def fits_block(rows_per_rank: Sequence[int], cols_per_rank: int, block: int, split_rows: bool) -> bool:
+    """vLLM's `validate_fp8_block_shape`: K per rank in whole blocks; every shard's rows per rank in
+    whole blocks, except the last shard of a fused GEMM whose rows are not split across ranks."""
+    checked = rows_per_rank if split_rows else rows_per_rank[:-1]
+    return cols_per_rank % block == 0 and all(r % block == 0 for r in checked)
+
+
+def checkpoint_tensor_names(model: str, revision: str | None = None) -> list[str] | None:
+    """Tensor names of a local checkpoint directory (or one in the Hugging Face cache); None if
+    they cannot be read without downloading."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        path = _hub_cache_dir(model, revision)
+        if path is None:
+            return None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_text())["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        return None
+    from glmctl.quantize.safetensors_io import read_header
+
+    try:
+        return [name for shard in shards for name in read_header(shard).tensors]
+    except Exception:  # noqa: BLE001 - a damaged header is vLLM's loader's to report
+        return None
+
+
+def _hub_cache_dir(repo_id: str, revision: str | None) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    for filename in ("model.safetensors.index.json", "model.safetensors"):
+        try:
+            found = try_to_load_from_cache(repo_id, filename, revision=revision)
+        except Exception:  # noqa: BLE001 - not a repo id: nothing cached
+            return None
+        if isinstance(found, str):
+            return Path(found).parent
+    return None
