@@ -39,6 +39,7 @@ from glmctl.quantize.glm5next import (
     LayerKinds,
     experts_module,
     fused_group_of,
+    plugin_fate,
     vllm_fate,
 )
 from glmctl.quantize.safetensors_io import FLOAT_DTYPES, PlannedTensor, ShardHeader, TensorEntry
@@ -167,6 +168,11 @@ def plan_fp8(ckpt: Checkpoint, settings: Fp8Settings) -> Fp8Plan:
         notes.append(f"{fates['rejected']} converted tensor(s) are {FATE_TEXT['rejected']}")
     if fates["bf16_at_load"]:
         notes.append(f"{fates['bf16_at_load']} converted tensor(s) are {FATE_TEXT['bf16_at_load']}")
+    if fates["rejected"] or fates["bf16_at_load"]:
+        plugin = Counter(plugin_fate(module_of(t.name), kinds) for t in tensors.values() if t.action == "quantize")
+        notes.append(f"with the glmctl plugin: {plugin['fp8']} converted tensor(s) stay FP8 in GPU "
+                     f"memory, {plugin['bf16_at_load']} are dequantised to BF16 at load"
+                     + (f", {plugin['rejected']} do not load" if plugin["rejected"] else ""))
     ragged = sorted(n for n in selected if entries[n][1].shape[0] > settings.block
                     and entries[n][1].shape[0] % settings.block)
     if ragged:

@@ -1,26 +1,32 @@
 """GLM-5.3-Flash's linear modules by checkpoint name, and what vLLM 0.30 does with each in FP8.
 
 Read from vLLM 0.30 `vllm/models/glm5next/nvidia/{model,kda,attention,mtp}.py` and
-`layers/quantization/fp8.py` (the installed wheel; re-read when vLLM is upgraded):
+`layers/quantization/fp8.py` (the installed wheel; re-read when vLLM is upgraded). The last column
+is vLLM with glmctl's plugin (`glmctl.plugin.fp8_selection`, `plugin_fate` below):
 
-| module (checkpoint leaf)                       | vLLM 0.30 builds it as                        | a block-FP8 tensor there is ...          |
-|------------------------------------------------|-----------------------------------------------|------------------------------------------|
-| KDA self_attn.{q,k,v,b,f_a,g_a}_proj           | one fused `in_proj_qkvbfg_a`, quant_config=None | rejected: no `weight_scale_inv` param (KeyError) |
-| KDA self_attn.{f_b,g_b}_proj                   | separate linears, quant_config=None           | rejected (same)                          |
-| KDA self_attn.o_proj                           | BF16 linear                                   | dequantised to BF16 at load: the MLA helper below matches any `.o_proj.` |
-| MLA self_attn.{q_a_proj,kv_a_proj_with_mqa}    | fused `fused_qkv_a_proj`, BF16                | dequantised to BF16 at load (`_try_load_fp8_attn_proj`) |
-| MLA self_attn.{q_b,o}_proj                     | BF16 (MLA gets quant_config=None)             | dequantised to BF16 at load              |
-| MLA self_attn.kv_b_proj                        | BF16                                          | rejected (not in `_FP8_ATTN_PROJS`)      |
-| indexer.wk (+ weights_proj)                    | fused `wk_weights_proj`, BF16                 | wk: dequantised at load (`_try_load_fp8_indexer_wk`); weights_proj: rejected |
-| indexer.wq_b                                   | BF16 (the indexer inherits MLA's None)        | rejected                                 |
-| mlp.{gate,up}_proj / down_proj, shared_experts | `gate_up_proj` + `down_proj` with the fp8 config | loaded as FP8 (`Fp8LinearMethod`)     |
-| mlp.experts.E.{gate,up,down}_proj              | `FusedMoE` w13 / w2 with the fp8 config       | loaded as FP8 (`Fp8MoEMethod`)           |
-| mlp.gate (router), eh_proj, embeddings, heads  | GateLinear / nn.Linear / vocab embedding      | rejected                                 |
+| module (checkpoint leaf)                 | stock vLLM 0.30 builds it as                     | a block-FP8 tensor there is, stock ...   | ... and with the glmctl plugin            |
+|------------------------------------------|--------------------------------------------------|------------------------------------------|-------------------------------------------|
+| KDA self_attn.{q,k,v}_proj               | fused `in_proj_qkvbfg_a` (+ b, f_a, g_a), quant_config=None | rejected: no `weight_scale_inv` param (KeyError) | FP8: its own [q,k,v] GEMM            |
+| KDA self_attn.{b,f_a,g_a}_proj           | (same fused GEMM)                                | rejected                                 | BF16 at load: a BF16 [b,f_a,g_a] GEMM     |
+| KDA self_attn.{f_b,g_b}_proj             | separate linears, quant_config=None              | rejected (same)                          | FP8                                       |
+| KDA self_attn.o_proj                     | BF16 linear                                      | dequantised to BF16 at load: the MLA helper below matches any `.o_proj.` | FP8 |
+| MLA self_attn.{q_a_proj,kv_a_proj_with_mqa} | fused `fused_qkv_a_proj`, BF16                | dequantised to BF16 at load (`_try_load_fp8_attn_proj`) | FP8 (both, or neither)     |
+| MLA self_attn.{q_b,o}_proj               | BF16 (MLA gets quant_config=None)                | dequantised to BF16 at load              | FP8                                       |
+| MLA self_attn.kv_b_proj                  | BF16                                             | rejected (not in `_FP8_ATTN_PROJS`)      | BF16 at load (see below)                  |
+| indexer.wk (+ weights_proj)              | fused `wk_weights_proj`, BF16                    | wk: dequantised at load (`_try_load_fp8_indexer_wk`); weights_proj: rejected | BF16 at load, both |
+| indexer.wq_b                             | BF16 (the indexer inherits MLA's None)           | rejected                                 | FP8                                       |
+| mlp.{gate,up}_proj / down_proj, shared_experts | `gate_up_proj` + `down_proj` with the fp8 config | loaded as FP8 (`Fp8LinearMethod`)    | FP8 (unchanged)                           |
+| mlp.experts.E.{gate,up,down}_proj        | `FusedMoE` w13 / w2 with the fp8 config          | loaded as FP8 (`Fp8MoEMethod`)           | FP8 (unchanged)                           |
+| mlp.gate (router), eh_proj, embeddings, heads | GateLinear / nn.Linear / vocab embedding    | rejected                                 | rejected                                  |
 
 So with stock vLLM 0.30 only the MLP/expert weights stay FP8 in GPU memory; MLA and indexer `wk`
-and every `o_proj` shrink on disk only; the other KDA projections, `kv_b_proj`, `wq_b` and `weights_proj` in FP8 need glmctl's plugin to
-build those layers with the FP8 method (step 7 of the report ran such a plugin). `vllm_fate`
-returns that verdict per module so the converter and `verify` can say it.
+and every `o_proj` shrink on disk only; the other KDA projections, `kv_b_proj`, `wq_b` and
+`weights_proj` in FP8 do not load. `vllm_fate` returns that verdict per module so the converter and
+`verify` can say it. With the plugin every attention module loads; `plugin_fate` says which stay
+FP8. The plugin's BF16 choices: `b_proj` has one row per head, so inside one FP8 GEMM with
+`f_a`/`g_a` it would shift their scale blocks; `kv_b_proj` feeds vLLM's BF16 `W_UK_T`/`W_UV`
+(MLA has no FP8 batched matmul), which alias a BF16 weight but would copy an FP8 one (3 bytes
+per weight instead of 2); `wk`/`weights_proj` are ~1 MiB per layer, read in fp32 by the indexer.
 
 The fused GEMMs matter for block scales: vLLM rounds each shard's scale offset up to a block
 (`adjust_block_scale_shard`) while the kernels index scales by row // B, so only the last shard of
@@ -38,6 +44,12 @@ Fate = Literal["fp8", "bf16_at_load", "rejected", "unknown"]
 FATE_SHORT: dict[str, str] = {
     "fp8": "FP8", "bf16_at_load": "BF16 at load", "rejected": "needs plugin", "unknown": "?",
 }
+PLUGIN_FATE_TEXT: dict[str, str] = {
+    "fp8": "kept in FP8 in GPU memory with the glmctl plugin",
+    "bf16_at_load": "loaded with the glmctl plugin, dequantised exactly to BF16 at load",
+    "rejected": "not loadable by vLLM 0.30, with or without the glmctl plugin",
+    "unknown": "not a GLM-5.3-Flash module glmctl knows",
+}
 FATE_TEXT: dict[str, str] = {
     "fp8": "kept in FP8 by vLLM 0.30",
     "bf16_at_load": "dequantised to BF16 at load by vLLM 0.30 (smaller on disk only)",
@@ -52,6 +64,12 @@ FUSED_GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
     ("mla", "self_attn.indexer.wk_weights_proj", ("self_attn.indexer.wk", "self_attn.indexer.weights_proj")),
     ("mlp", "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
     ("mlp", "mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+]
+# The plugin splits KDA's fused GEMM in two (glmctl.plugin.fp8_linear.KdaInputProjections).
+PLUGIN_FUSED_GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("kda", "self_attn.in_proj_qkvbfg_a.qkv", tuple(f"self_attn.{x}_proj" for x in ("q", "k", "v"))),
+    ("kda", "self_attn.in_proj_qkvbfg_a.bfg_a", tuple(f"self_attn.{x}_proj" for x in ("b", "f_a", "g_a"))),
+    *(g for g in FUSED_GROUPS if g[0] != "kda"),
 ]
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _LAYER = re.compile(r"^(?P<prefix>.*?)layers\.(?P<idx>\d+)\.(?P<leaf>.+)$")
@@ -122,6 +140,23 @@ def vllm_fate(module: str, kinds: LayerKinds) -> Fate:
     if site.kind == "mla" and leaf in _MLA_REJECTED:
         return "rejected"
     return "rejected" if leaf in ("eh_proj", "mlp.gate") or leaf.startswith("shared_head") else "unknown"
+
+
+_PLUGIN_BF16 = {"self_attn.b_proj", "self_attn.f_a_proj", "self_attn.g_a_proj", "self_attn.kv_b_proj",
+                "self_attn.indexer.wk", "self_attn.indexer.weights_proj"}
+
+
+def plugin_fate(module: str, kinds: LayerKinds) -> Fate:
+    """What vLLM 0.30 with glmctl's plugin does with a block-FP8 `module.weight` of GLM-5.3-Flash
+    (alignment permitting: a unit whose rows per rank are not whole blocks is loaded as BF16)."""
+    stock = vllm_fate(module, kinds)
+    site = kinds.site(module)
+    if stock in ("fp8", "unknown") or site is None or site.kind == "unknown":
+        return stock
+    if site.kind == "kda" and site.leaf in _KDA_LEAVES or site.kind == "mla" and (
+            site.leaf in _MLA_AT_LOAD or site.leaf in _MLA_REJECTED):
+        return "bf16_at_load" if site.leaf in _PLUGIN_BF16 else "fp8"
+    return stock
 
 
 def fused_group_of(module: str, kinds: LayerKinds) -> tuple[str, str, list[str]] | None:

@@ -9,6 +9,13 @@ Formats: bf16 = 2 bytes per weight; fp8 = 1 byte per weight plus one fp32 scale 
 (the FP8 checkpoint's block quantization); exl3:B = B bits per weight in the trellis plus fp16 input
 and output channel scales (`suh`, `svh`), as ExLlamaV3 stores a linear layer. Norms, mHC mixers,
 routers, convolution weights and biases are never quantized.
+
+`--kda fp8` / `--mla fp8` are what `glmctl quantize fp8`'s default selection holds in GPU memory
+with glmctl's plugin (`glmctl.plugin.fp8_selection`): KDA q,k,v and o_proj in FP8, its b, f_a,
+g_a, f_b, g_b in bf16; MLA q_a/kv_a, q_b, o_proj and the indexer's wq_b in FP8, kv_b_proj and the
+indexer's wk + weights_proj in bf16. kv_b_proj stays bf16 whatever the checkpoint holds: vLLM's
+MLA attention keeps bf16 `W_UK_T`/`W_UV` derived from it, which alias a bf16 weight but would be a
+second copy of an FP8 one. The vllm lane checks these counts against the parameters vLLM builds.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ def _mla_bytes(m: ModelSpec, tp: int, fmt: WeightFormat) -> int:
     proj = (
         matrix_bytes(fmt, m.hidden_size, m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)  # replicated
         + matrix_bytes(fmt, m.q_lora_rank, heads * qk)
-        + matrix_bytes(fmt, m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim))
+        # kv_b_proj stays bf16 (see the module docstring)
+        + matrix_bytes(BF16, m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim))
         + matrix_bytes(fmt, heads * m.v_head_dim, m.hidden_size)
         + 2 * (m.q_lora_rank + m.kv_lora_rank)  # q_a / kv_a norms
     )
@@ -58,7 +66,7 @@ def _mla_bytes(m: ModelSpec, tp: int, fmt: WeightFormat) -> int:
         + matrix_bytes(BF16, m.hidden_size, d + m.index_n_heads)  # wk + weights_proj, kept bf16
         + matrix_bytes(BF16, m.hidden_size, d)  # kpool compress gate
         + 4 * m.index_kpool * d  # kpool positional term, fp32
-        + 2 * 2 * d  # k_norm weight + bias
+        + 2 * 4 * d  # k_norm weight + bias (fp32: vLLM's LayerNorm)
     )
     return proj + indexer
 
@@ -67,8 +75,9 @@ def _kda_bytes(m: ModelSpec, tp: int, fmt: WeightFormat) -> int:
     heads, d = m.linear_num_heads, m.linear_head_dim
     local = heads * d // tp
     return (
-        matrix_bytes(fmt, m.hidden_size, 3 * local + heads // tp + 2 * d)  # q,k,v,b sharded; f_a,g_a replicated
-        + 2 * matrix_bytes(fmt, d, local)  # f_b, g_b
+        matrix_bytes(fmt, m.hidden_size, 3 * local)  # q,k,v (sharded)
+        + matrix_bytes(BF16, m.hidden_size, heads // tp + 2 * d)  # b sharded, f_a, g_a replicated: bf16
+        + 2 * matrix_bytes(BF16, d, local)  # f_b, g_b: bf16
         + matrix_bytes(fmt, local, m.hidden_size)  # o_proj
         + 4 * (3 * local * m.linear_conv_kernel_dim + local + heads // tp)  # conv1d, dt_bias, A_log (fp32)
         + 2 * d  # gated output norm
