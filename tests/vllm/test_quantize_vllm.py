@@ -15,6 +15,15 @@ fails a test and says which verdict in `glmctl.quantize.glm5next` to update):
 - The default selection (which includes KDA q/k/v) stops at `in_proj_qkvbfg_a.weight_scale_inv`:
   stock vLLM builds KDA without the FP8 method, so FP8 KDA needs the glmctl plugin.
 
+With the glmctl plugin's model hooks (`glmctl.plugin.fp8_attention`, cases `+plugin`):
+- the default selection and an every-attention-projection one load completely; each FP8 unit
+  (`glmctl.plugin.fp8_selection`) is built with FP8 parameters that hold the checkpoint's bytes,
+  with vLLM's own `Fp8LinearMethod` (`+plugin-vllm`, the GPU path; GEMM kernel stubbed, nothing
+  runs) as with the CPU method; units kept in BF16 hold the exact dequantisation;
+- on CPU each FP8 unit then computes with exactly `dequantize_block_fp8(weight, scale)` (an
+  identity matrix through the processed layer returns it bit for bit);
+- the attention parameters vLLM builds per layer are the planner's `--kda fp8` / `--mla fp8` bytes.
+
 Quality, since vLLM-CPU cannot run FP8 GEMMs: transformers' Glm5Next (the torch reference) runs the
 original tiny checkpoint and its default-selection conversion dequantised to BF16, on a fixed text.
 
@@ -38,6 +47,8 @@ REPO = Path(__file__).resolve().parents[2]
 AT_LOAD = ("*.self_attn.q_a_proj", "*.self_attn.kv_a_proj_with_mqa", "*.self_attn.q_b_proj",
            "*.self_attn.o_proj", "*.self_attn.indexer.wk")
 MLP = ("*.mlp.*",)
+ALL = ("*.self_attn.*",)  # every attention projection, b/f_a/g_a/f_b/g_b and weights_proj too
+PLUGIN_CASES = ("default+plugin", "all+plugin", "default+plugin-vllm")
 
 
 # -- subprocess body ---------------------------------------------------------------------------------
@@ -106,7 +117,7 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
     import torch
     import vllm.model_executor.layers.quantization.fp8 as fp8_method
     from glmctl.quantize.fp8 import dequantize_block_fp8
-    from glmctl.quantize.glm5next import FUSED_GROUPS
+    from glmctl.quantize.glm5next import FUSED_GROUPS, PLUGIN_FUSED_GROUPS
     from safetensors.torch import load_file
     from tiny_vllm_load import dense_mla_stands_in_for_sparse  # this script runs from tests/vllm/
     from vllm.config import (
@@ -124,6 +135,7 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
 
     dense_mla_stands_in_for_sparse()
     real_kernel = fp8_method.init_fp8_linear_kernel
+    groups = FUSED_GROUPS
 
     class NoKernel:  # stands in for a GEMM kernel: weights load, nothing ever runs
         def process_weights_after_loading(self, layer) -> None:
@@ -135,7 +147,15 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
     started = False
     for label, path in cases:
         r = report[label] = {}
-        fp8_method.init_fp8_linear_kernel = (lambda *a, **k: NoKernel()) if label.endswith("+stub") else real_kernel
+        plugin = "+plugin" in label
+        if plugin:  # the plugin's hooks stay installed: plugin cases come last
+            from glmctl.plugin.fp8_attention import install_model_hooks
+
+            os.environ["GLMCTL_FP8_ATTENTION_METHOD"] = "vllm" if label.endswith("-vllm") else "dequant"
+            install_model_hooks()
+            groups = PLUGIN_FUSED_GROUPS
+        stub = label.endswith(("+stub", "+plugin-vllm"))
+        fp8_method.init_fp8_linear_kernel = (lambda *a, **k: NoKernel()) if stub else real_kernel
         try:
             model_config = ModelConfig(model=path, dtype="bfloat16", max_model_len=4096)
             parallel = ParallelConfig()
@@ -167,11 +187,58 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
                 params = dict(model.named_parameters())
                 r[part] = {"methods": sorted(methods), "not_loaded": sorted(set(params) - loaded),
                            "unknown": sorted(loaded - set(params)),
-                           **_compare(model, ck, FUSED_GROUPS, dequantize_block_fp8)}
+                           **_compare(model, ck, groups, dequantize_block_fp8),
+                           "units": _attention_units(model), "attention_bytes": _attention_bytes(model)}
+                if plugin and not stub:
+                    r[part]["processed"] = _processed_layers_compute_exactly(model, ck, groups, dequantize_block_fp8)
         except Exception as exc:  # noqa: BLE001 - the report says what failed and where
             r["error"] = f"{type(exc).__name__}: {exc}"
     fp8_method.init_fp8_linear_kernel = real_kernel
     return report
+
+
+def _attention_units(model) -> dict[str, list[str]]:
+    """'kda in_proj_qkvbfg_a.qkv' -> sorted {'<method> <weight dtype>'} over the layers."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    units: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        m = re.search(r"layers\.\d+\.(?:mtp_block\.)?self_attn\.(.+)$", name)
+        if m and isinstance(module, LinearBase):
+            kind = "kda" if hasattr(model.get_submodule(name[: name.index("self_attn") + 9]), "A_log") else "mla"
+            desc = f"{type(module.quant_method).__name__} {str(module.weight.dtype).removeprefix('torch.')}"
+            units.setdefault(f"{kind} {m[1]}", set()).add(desc)
+    return {k: sorted(v) for k, v in units.items()}
+
+
+def _attention_bytes(model) -> dict[str, int]:
+    """Bytes of every parameter under each layer's self_attn, as built and loaded (before processing)."""
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        m = re.search(r"layers\.(\d+)\.(?:mtp_block\.)?self_attn\.", name)
+        if m:
+            out[m[1]] = out.get(m[1], 0) + p.numel() * p.element_size()
+    return out
+
+
+def _processed_layers_compute_exactly(model, ck, groups, dequant) -> dict:
+    """Process every FP8 attention linear as vLLM's loader does, then push an identity matrix through
+    it: the output must be the exact dequantisation of the checkpoint's tensors, transposed."""
+    import torch
+
+    compared, mismatched = 0, []
+    for name, module in model.named_modules():
+        if type(getattr(module, "quant_method", None)).__name__ != "Fp8DequantLinearMethod":
+            continue
+        bf16 = torch.empty(0, dtype=torch.bfloat16)
+        want = _expected(f"{name}.weight", bf16, ck, groups, dequant)
+        module.quant_method.process_weights_after_loading(module)
+        eye = torch.eye(module.input_size_per_partition, dtype=torch.bfloat16)
+        got = module.quant_method.apply(module, eye)
+        compared += 1
+        if "weight_scale_inv" in dict(module.named_parameters()) or not torch.equal(got, want.t()):
+            mismatched.append(name)
+    return {"compared": compared, "mismatched": mismatched}
 
 
 # -- tests ---------------------------------------------------------------------------------------------
@@ -192,7 +259,7 @@ def conversions(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tiny-fp8")
     out = {}
-    for label, modules in (("default", DEFAULT_MODULES), ("at_load", AT_LOAD), ("mlp", MLP)):
+    for label, modules in (("default", DEFAULT_MODULES), ("at_load", AT_LOAD), ("mlp", MLP), ("all", ALL)):
         out[label] = root / label
         convert_fp8(Path(tiny_checkpoint.path), out[label], Fp8Settings(modules=modules))
     return out
@@ -202,8 +269,8 @@ def conversions(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
 def vllm_report(conversions) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO / "tests" / "vllm" / "no_torchvision"), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cases = [f"{label}={conversions[label.removesuffix('+stub')]}"
-             for label in ("default", "at_load", "mlp", "mlp+stub")]
+    cases = [f"{label}={conversions[label.split('+')[0]]}"
+             for label in ("default", "at_load", "mlp", "mlp+stub", *PLUGIN_CASES)]
     proc = subprocess.run([sys.executable, str(Path(__file__)), str(_free_port()), *cases],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
@@ -245,6 +312,88 @@ def test_vllm_dequantises_mla_projections_at_load_exactly_as_glmctl(vllm_report)
 def test_default_selection_needs_the_plugin_for_kda(vllm_report):
     error = vllm_report["default"]["error"]
     assert error == "KeyError: 'layers.0.self_attn.in_proj_qkvbfg_a.weight_scale_inv'", error
+
+
+# -- with the plugin ----------------------------------------------------------------------------------
+
+DEFAULT_FP8_UNITS = {"kda in_proj_qkvbfg_a.qkv", "kda o_proj", "mla fused_qkv_a_proj", "mla q_b_proj",
+                     "mla o_proj", "mla indexer.wq_b"}
+
+
+def _fp8_units(report: dict, method: str) -> tuple[set[str], dict[str, list[str]]]:
+    units = {**report["main"]["units"], **report["mtp"]["units"]}
+    return {u for u, kinds in units.items() if kinds == [f"{method} float8_e4m3fn"]}, units
+
+
+def test_plugin_loads_fp8_attention_checkpoints_bit_for_bit(vllm_report):
+    for label in PLUGIN_CASES:
+        assert "error" not in vllm_report[label], vllm_report[label]
+        for part in ("main", "mtp"):
+            r = vllm_report[label][part]
+            assert r["not_loaded"] == [] and r["unknown"] == [], (label, r)
+            # FP8 parameters hold the checkpoint's bytes; BF16 ones its exact dequantisation
+            assert r["compared"] > 0 and r["mismatched"] == [], (label, r)
+
+
+@pytest.mark.parametrize(("label", "method", "extra"), [
+    ("default+plugin", "Fp8DequantLinearMethod", set()),  # vLLM CPU
+    ("default+plugin-vllm", "Fp8LinearMethod", set()),  # what GPUs build (GEMM kernel stubbed)
+    ("all+plugin", "Fp8DequantLinearMethod", {"kda f_b_proj", "kda g_b_proj"}),
+])
+def test_plugin_builds_the_documented_units_in_fp8(vllm_report, label, method, extra):
+    fp8, units = _fp8_units(vllm_report[label], method)
+    assert fp8 == DEFAULT_FP8_UNITS | extra
+    # everything else is an ordinary BF16 (fp32: the KDA convs) linear, b/f_a/g_a and kv_b included
+    assert all(kinds[0].startswith("UnquantizedLinearMethod ") and len(kinds) == 1
+               for u, kinds in units.items() if u not in fp8), units
+    assert {"kda in_proj_qkvbfg_a.bfg_a", "mla kv_b_proj", "mla indexer.wk_weights_proj"} <= set(units) - fp8
+
+
+def test_plugin_fates_in_the_converter_table_are_what_vllm_builds(vllm_report, conversions):
+    """`glm5next.plugin_fate` (the converter's notes) against the units vLLM built above."""
+    from glmctl.plugin.fp8_selection import BF16_UNITS, FP8_UNITS
+    from glmctl.quantize.glm5next import LayerKinds, plugin_fate
+
+    config = json.loads((conversions["all"] / "config.json").read_text())
+    kinds = LayerKinds(config)
+    index = json.loads((conversions["all"] / "model.safetensors.index.json").read_text())["weight_map"]
+    fp8, _ = _fp8_units(vllm_report["all+plugin"], "Fp8DequantLinearMethod")
+    checked = 0
+    for name in index:
+        if not name.endswith(".weight_scale_inv"):
+            continue
+        module = name.removesuffix(".weight_scale_inv")
+        site = kinds.site(module)
+        leaf = site.leaf.removeprefix("self_attn.")
+        unit = next(f"{family} {u}" for table in (FP8_UNITS, BF16_UNITS) for family, us in table.items()
+                    for u, leaves in us.items() if family == site.kind and leaf in leaves)
+        assert plugin_fate(module, kinds) == ("fp8" if unit in fp8 else "bf16_at_load"), module
+        checked += 1
+    assert checked > 20
+
+
+def test_plugin_cpu_layers_compute_with_the_exact_dequantisation(vllm_report):
+    for label in ("default+plugin", "all+plugin"):
+        for part in ("main", "mtp"):
+            processed = vllm_report[label][part]["processed"]
+            assert processed["compared"] > 0 and processed["mismatched"] == [], (label, part, processed)
+
+
+@pytest.mark.parametrize(("label", "attention"), [("default+plugin", "fp8"), ("mlp+stub", "bf16")])
+def test_planner_counts_attention_weights_as_vllm_builds_them(vllm_report, tiny_checkpoint, label, attention):
+    """`glmctl plan --kda fp8 --mla fp8` against the parameters vLLM built for `glmctl quantize fp8`'s
+    default selection (before processing: the GPU path keeps them as built), and BF16 against stock."""
+    from glmctl.plan import load_model_spec
+    from glmctl.plan.setup import WeightFormats
+    from glmctl.plan.weights import weight_groups
+
+    spec = load_model_spec(Path(tiny_checkpoint.path))
+    groups = {g.group: g.bytes for g in weight_groups(
+        spec, 1, WeightFormats.for_checkpoint("bf16", kda=attention, mla=attention))}
+    built = {int(k): v for part in ("main", "mtp") for k, v in vllm_report[label][part]["attention_bytes"].items()}
+    assert sum(built[i] for i in spec.kda_layers) == groups["kda"]
+    assert sum(built[i] for i in spec.mla_layers) == groups["mla"]
+    assert built[spec.num_hidden_layers] == groups["mla"] // len(spec.mla_layers)  # the MTP layer
 
 
 def _dequantised_copy(src: Path, dst: Path) -> Path:
