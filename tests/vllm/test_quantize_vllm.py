@@ -351,8 +351,9 @@ def test_plugin_builds_the_documented_units_in_fp8(vllm_report, label, method, e
 
 def test_plugin_fates_in_the_converter_table_are_what_vllm_builds(vllm_report, conversions):
     """`glm5next.plugin_fate` (the converter's notes) against the units vLLM built above."""
-    from glmctl.plugin.fp8_selection import BF16_UNITS, FP8_UNITS
     from glmctl.quantize.glm5next import LayerKinds, plugin_fate
+
+    from glmctl.plugin.fp8_selection import BF16_UNITS, FP8_UNITS
 
     config = json.loads((conversions["all"] / "config.json").read_text())
     kinds = LayerKinds(config)
