@@ -11,8 +11,8 @@ Builds two synthetic safetensors checkpoints with GLM-5.3-Flash's real projectio
   selection copies byte for byte: closer to a real checkpoint, where experts are ~98% of the bytes.
 
 For each: (1) read every tensor of every shard with glmctl's streaming reader after dropping the
-files from the page cache (posix_fadvise DONTNEED after fsync): the disk's own speed for these
-files; (2) the same read with the files cached; (3) `glmctl quantize fp8` on the uncached source
+files from the page cache (posix_fadvise DONTNEED after fsync), with and without its sequential
+read-ahead hint, the faster counting: the disk's own speed for these files; (2) the same read with the files cached; (3) `glmctl quantize fp8` on the uncached source
 (including writing and fsyncing the output). Throughput = source bytes / wall seconds; the ratio
 (3)/(1) is the figure the target applies to; (3)/(2) says how much of a cached read the converter
 keeps. Ceilings that explain the ratio, from the same run: (4) `copy`, a sequential read + write +
@@ -99,11 +99,20 @@ def _drop_cache(path: Path) -> None:
             os.close(fd)
 
 
-def read_all(path: Path) -> float:
-    """Every tensor's bytes through glmctl's reader, in 8 MiB pieces into one reused buffer."""
+def read_all(path: Path, hint: bool = True) -> float:
+    """Every tensor's bytes through glmctl's reader, in 8 MiB pieces into one reused buffer;
+    `hint=False` without its sequential-read hint (the baseline takes the faster of the two)."""
     import torch
+    from glmctl.quantize import safetensors_io
     from glmctl.quantize.checkpoint import open_checkpoint
     from glmctl.quantize.safetensors_io import ShardReader
+
+    if not hint:
+        advise, safetensors_io._advise = safetensors_io._advise, lambda *a: None
+        try:
+            return read_all(path, hint=True)
+        finally:
+            safetensors_io._advise = advise
 
     buf = torch.empty(8 * 2**20, dtype=torch.uint8)
     t0 = time.perf_counter()
@@ -163,7 +172,7 @@ def quantize_in_memory(src: Path) -> float:
     import torch
     from glmctl.quantize.checkpoint import open_checkpoint
     from glmctl.quantize.fp8 import quantize_block_fp8
-    from glmctl.quantize.fp8_convert import _quantize_pool
+    from glmctl.quantize.fp8_convert import STRIPE_BYTES, _quantize_pool
     from glmctl.quantize.safetensors_io import ShardReader
 
     matrices = []
@@ -173,7 +182,10 @@ def quantize_in_memory(src: Path) -> float:
                 raw = torch.empty(entry.nbytes, dtype=torch.uint8)
                 reader.read_into(entry, 0, raw)
                 matrices.append(raw.view(torch.bfloat16).view(*entry.shape))
-    stripes = [m[r:r + 256] for m in matrices for r in range(0, m.shape[0], 256)]
+    def rows(m):  # the converter's stripes: whole 128-row blocks, about STRIPE_BYTES of source
+        return max(128, STRIPE_BYTES // (m.shape[1] * m.element_size()) // 128 * 128)
+
+    stripes = [m[r:r + rows(m)] for m in matrices for r in range(0, m.shape[0], rows(m))]
     with _quantize_pool() as pool:
         t0 = time.perf_counter()
         for _ in pool.map(lambda x: quantize_block_fp8(x, 128), stripes):
@@ -203,8 +215,9 @@ def measure(work: Path, label: str, gib: float, experts_share: float, runs: int)
     torch.randn(8).to(torch.float8_e4m3fn)  # first-use costs out of the timed runs
     cold, warm, conv, copy, write, quantized, out_share = [], [], [], [], [], 0.0, 1.0
     for _ in range(runs):
-        _drop_cache(src)
-        cold.append(read_all(src))
+        for hint in (True, False):
+            _drop_cache(src)
+            cold.append(read_all(src, hint))
         warm.append(read_all(src))
         _drop_cache(src)
         copy.append(copy_all(src, dst))

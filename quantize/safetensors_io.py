@@ -18,6 +18,7 @@ order, so an output shard never has to exist in memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -167,6 +168,10 @@ class ShardReader:
             self._f = open(self.header.path, "rb", buffering=0)
         except OSError as exc:
             raise CheckpointError(f"cannot open {self.header.path}: {exc.strerror or exc}") from exc
+        # A larger read-ahead window: the kernel keeps reading while the converter quantises.
+        # Measured on the dev VM (bench/quantize.py, attention case): convert 0.68 -> 0.97 GB/s;
+        # WILLNEED per piece did as well for converting but slowed plain reads to half.
+        _advise(self._f.fileno(), 0, 0, "POSIX_FADV_SEQUENTIAL")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -199,6 +204,14 @@ class ShardReader:
             self.read_into(entry, done, buf)
             yield memoryview(buf.numpy())
             done += n
+
+
+def _advise(fd: int, offset: int, length: int, advice: str) -> None:
+    """posix_fadvise where the platform has it; a hint, so failures are ignored."""
+    flag = getattr(os, advice, None)
+    if flag is not None:
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, flag)
 
 
 @dataclass(frozen=True)
@@ -237,6 +250,7 @@ class ShardWriter:
     """
 
     QUEUE_DEPTH = 4
+    SYNC_BYTES = 128 * 2**20
 
     def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
         self.path = path
@@ -255,10 +269,15 @@ class ShardWriter:
         self._thread.start()
 
     def _drain(self) -> None:
+        unsynced = 0
         while (data := self._queue.get()) is not None:
             if self._error is None:
                 try:
                     self._f.write(data)
+                    unsynced += memoryview(data).nbytes
+                    if unsynced >= self.SYNC_BYTES:  # flush here, while the caller computes,
+                        os.fdatasync(self._f.fileno())  # so that close() has little left to do
+                        unsynced = 0
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                     self._error = exc
 
