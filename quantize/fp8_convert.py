@@ -48,6 +48,7 @@ class RoleRow:
     tensors: int
     bytes_in: int
     bytes_out: int
+    plugin_fate: str = ""  # the same with glmctl's plugin
 
 
 @dataclass
@@ -75,9 +76,10 @@ class Fp8Result:
 
 def _summarize(src: Path, dst: Path, plan: Fp8Plan, dry_run: bool) -> Fp8Result:
     actions = Counter(t.action for t in plan.tensors.values())
-    rows: dict[tuple[str, str], RoleRow] = {}
+    rows: dict[tuple[str, str, str], RoleRow] = {}
     for t in plan.quantized:
-        row = rows.setdefault((t.role, t.fate), RoleRow(t.role, t.fate, 0, 0, 0))
+        row = rows.setdefault((t.role, t.fate, t.plugin_fate),
+                              RoleRow(t.role, t.fate, 0, 0, 0, t.plugin_fate))
         row.tensors += 1
         row.bytes_in += t.bytes_in
         row.bytes_out += t.bytes_out

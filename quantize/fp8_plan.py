@@ -81,6 +81,7 @@ class TensorPlan:
     fate: str  # glm5next.Fate of the module in FP8 ("" when it stays as it is)
     bytes_in: int
     bytes_out: int  # weight + scale for quantized tensors
+    plugin_fate: str = ""  # glm5next.Fate with glmctl's plugin ("" when it stays as it is)
 
 
 @dataclass
@@ -169,7 +170,7 @@ def plan_fp8(ckpt: Checkpoint, settings: Fp8Settings) -> Fp8Plan:
     if fates["bf16_at_load"]:
         notes.append(f"{fates['bf16_at_load']} converted tensor(s) are {FATE_TEXT['bf16_at_load']}")
     if fates["rejected"] or fates["bf16_at_load"]:
-        plugin = Counter(plugin_fate(module_of(t.name), kinds) for t in tensors.values() if t.action == "quantize")
+        plugin = Counter(t.plugin_fate for t in tensors.values() if t.action == "quantize")
         notes.append(f"with the glmctl plugin: {plugin['fp8']} converted tensor(s) stay FP8 in GPU "
                      f"memory, {plugin['bf16_at_load']} are dequantised to BF16 at load"
                      + (f", {plugin['rejected']} do not load" if plugin["rejected"] else ""))
@@ -216,7 +217,8 @@ def _plan_tensor(shard: ShardHeader, entry: TensorEntry, convert: bool, block: i
     scale = PlannedTensor(f"{module}.weight_scale_inv", "F32", scale_shape(entry.shape, block))
     layout += [weight, scale]
     return TensorPlan(entry.name, shard.path.name, "quantize", _role(module, kinds),
-                      vllm_fate(module, kinds), entry.nbytes, weight.nbytes + scale.nbytes)
+                      vllm_fate(module, kinds), entry.nbytes, weight.nbytes + scale.nbytes,
+                      plugin_fate(module, kinds))
 
 
 def _refuse_bad_shapes(selected: set[str], entries: dict, block: int, kinds: LayerKinds) -> None:

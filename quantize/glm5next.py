@@ -44,6 +44,7 @@ Fate = Literal["fp8", "bf16_at_load", "rejected", "unknown"]
 FATE_SHORT: dict[str, str] = {
     "fp8": "FP8", "bf16_at_load": "BF16 at load", "rejected": "needs plugin", "unknown": "?",
 }
+PLUGIN_FATE_SHORT: dict[str, str] = {**FATE_SHORT, "rejected": "not loadable"}
 PLUGIN_FATE_TEXT: dict[str, str] = {
     "fp8": "kept in FP8 in GPU memory with the glmctl plugin",
     "bf16_at_load": "loaded with the glmctl plugin, dequantised exactly to BF16 at load",

@@ -198,30 +198,39 @@ def _asdict(obj) -> dict:
 
 
 def _size(n: float) -> str:
+    """Three significant digits: 512 KiB, 64.0 KiB, 1.50 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        if abs(n) < 1000 or unit == "TiB":
+            if unit == "B":
+                return f"{n:.0f} B"
+            return f"{n:.0f} {unit}" if abs(n) >= 100 else f"{n:.1f} {unit}" if abs(n) >= 10 \
+                else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n} B"
 
 
 def _render_fp8(console: Console, r: Fp8Result) -> None:
+    from rich import box
     from rich.table import Table
 
-    from glmctl.quantize.glm5next import FATE_SHORT, FATE_TEXT
+    from glmctl.quantize.glm5next import FATE_SHORT, FATE_TEXT, PLUGIN_FATE_SHORT
 
     title = f"{'Plan (dry run; nothing written)' if r.dry_run else 'Converted'}: {r.src} -> {r.dst}"
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("module", overflow="fold")
     for col in ("tensors", "before", "after"):
         table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("vLLM 0.30", no_wrap=True)
+    table.add_column("stock vLLM", no_wrap=True)
+    table.add_column("+ glmctl", no_wrap=True)
     for row in r.roles:
-        table.add_row(row.role, str(row.tensors), _size(row.bytes_in), _size(row.bytes_out),
-                      FATE_SHORT.get(row.fate, row.fate))
+        table.add_row(row.role.replace("self_attn.", ""), str(row.tensors), _size(row.bytes_in),
+                      _size(row.bytes_out),
+                      FATE_SHORT.get(row.fate, row.fate),
+                      PLUGIN_FATE_SHORT.get(row.plugin_fate, row.plugin_fate))
     console.print(table)
     for fate in sorted({row.fate for row in r.roles}):
         console.print(f"  [dim]{FATE_SHORT.get(fate, fate)}: {FATE_TEXT.get(fate, fate)}[/dim]")
+    console.print("  [dim]+ glmctl: what vLLM 0.30 does with glmctl's plugin (installed with glmctl)[/dim]")
     saved = r.bytes_in - r.bytes_out
     console.print(f"{r.tensors_quantized} tensors converted, {r.tensors_kept_fp8} already FP8, "
                   f"{r.tensors_copied} copied unchanged; weights {_size(r.bytes_in)} -> {_size(r.bytes_out)} "
