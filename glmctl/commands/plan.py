@@ -126,8 +126,8 @@ def plan(
     node = cpu_node(kv_cache_gib) if cpu else gpu_node(gpus, num_gpus, gpu_memory_gib, kv_cache_gib)
     setup = ServingSetup(
         tensor_parallel_size=tp or (1 if cpu else node.num_devices),
-        weights=WeightFormats.for_checkpoint(spec.checkpoint_quant, experts=experts, dense=dense, kda=kda,
-                                             mla=mla, embeddings=embeddings),
+        weights=WeightFormats.for_checkpoint(spec.checkpoint_quant, spec.fp8_attention, experts=experts,
+                                             dense=dense, kda=kda, mla=mla, embeddings=embeddings),
         kv_cache_dtype=_kv_dtype(kv_cache_dtype),
         speculative=parse_speculative(speculative, str(drafter) if drafter else None),
         max_model_len=max_model_len,

@@ -61,6 +61,9 @@ class ModelSpec(BaseModel):
     tie_word_embeddings: bool = False
     max_position_embeddings: int
     checkpoint_quant: str = "bf16"  # how the checkpoint stores the quantizable groups
+    # Attention families ("kda", "mla") whose projections the checkpoint stores in block FP8
+    # (`glmctl quantize fp8`'s default); glmctl's plugin keeps them FP8 in GPU memory.
+    fp8_attention: list[str] = []
     has_vision: bool = False  # a vision tower in the checkpoint (not planned: text serving only)
     defaulted: list[str] = []
 
@@ -108,8 +111,35 @@ def load_model_spec(source: str | Path) -> ModelSpec:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read {config_path}: {exc}") from exc
     name = config_path.parent.name if config_path.name == "config.json" else config_path.stem
-    return _from_config(config, name=name, source=str(config_path),
+    spec = _from_config(config, name=name, source=str(config_path),
                         checkpoint_quant=_checkpoint_quant(config))
+    if spec.checkpoint_quant != "bf16":
+        spec = spec.model_copy(update={"fp8_attention": _fp8_attention(config_path.parent)})
+    return spec
+
+
+# One projection that only each family has, as `glmctl quantize fp8` names its scales.
+_FP8_ATTENTION_MARKERS = {"kda": "self_attn.q_proj.weight_scale_inv",
+                          "mla": "self_attn.q_b_proj.weight_scale_inv"}
+
+
+def _fp8_attention(checkpoint: Path) -> list[str]:
+    """Which attention families hold block-FP8 projections, from the checkpoint's tensor names
+    (its index, else its shard headers); [] when there are none or they cannot be read."""
+    names: list[str] = []
+    index = checkpoint / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = list(json.loads(index.read_text())["weight_map"])
+        else:
+            from glmctl.quantize.safetensors_io import read_header
+
+            for shard in sorted(checkpoint.glob("*.safetensors")):
+                names += read_header(shard).tensors
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is the loader's to report
+        return []
+    return [family for family, marker in _FP8_ATTENTION_MARKERS.items()
+            if any(n.endswith(marker) for n in names)]
 
 
 def _checkpoint_quant(config: dict) -> str:

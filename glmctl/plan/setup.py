@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -65,11 +66,14 @@ class WeightFormats(BaseModel):
     embeddings: WeightFormat  # embedding and LM head
 
     @classmethod
-    def for_checkpoint(cls, checkpoint_quant: str, **overrides: str | None) -> WeightFormats:
+    def for_checkpoint(cls, checkpoint_quant: str, fp8_attention: Iterable[str] = (),
+                       **overrides: str | None) -> WeightFormats:
         """Formats vLLM 0.30 loads a checkpoint in, then the explicit per-group overrides.
 
-        An FP8 checkpoint loads experts, shared experts and dense MLPs as FP8; MLA, KDA and the
-        embeddings stay BF16 (glm5next passes no quant config to MLA and KDA).
+        An FP8 checkpoint loads experts, shared experts and dense MLPs as FP8; stock vLLM keeps
+        MLA, KDA and the embeddings BF16 (glm5next passes no quant config to MLA and KDA), while
+        glmctl's plugin keeps the attention families in `fp8_attention` (`ModelSpec.fp8_attention`,
+        read from the checkpoint) FP8.
         """
         bf16, fp8 = WeightFormat(kind="bf16"), WeightFormat(kind="fp8")
         base = {g: bf16 for g in WEIGHT_GROUPS}
@@ -77,6 +81,7 @@ class WeightFormats(BaseModel):
             base.update(experts=fp8, dense=fp8)
         elif checkpoint_quant.startswith("exl3:"):
             base.update(experts=parse_weight_format(checkpoint_quant), dense=fp8)
+        base.update({family: fp8 for family in fp8_attention})
         for group, text in overrides.items():
             if text is not None:
                 base[group] = parse_weight_format(text, group)

@@ -46,7 +46,9 @@ def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None
                                 drafter=load_drafter(prof.speculative.drafter.path))
     return plan.ServingSetup(
         tensor_parallel_size=prof.tensor_parallel_size,
-        weights=plan.WeightFormats.for_checkpoint(_checkpoint_quant(prof, model)),
+        # on vLLM CPU the plugin holds FP8 attention dequantised (no block-FP8 GEMM there)
+        weights=plan.WeightFormats.for_checkpoint(
+            _checkpoint_quant(prof, model), fp8_attention=model.fp8_attention if prof.platform != "cpu" else ()),
         kv_cache_dtype=_KV_DTYPES[prof.kv_cache_dtype],
         speculative=spec,
         max_model_len=max_model_len or prof.max_model_len,

@@ -290,3 +290,54 @@ def test_glmctl_exl3_checkpoints_are_planned_with_their_bits(tmp_path):
     config = {**PRESETS["glm-5.3-flash"], "quantization_config": spec.to_config()}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_model_spec(tmp_path).checkpoint_quant == "exl3:3"
+
+
+@pytest.mark.parametrize(("scaled", "families"), [
+    ((), []),  # FP8 experts only: attention stays bf16
+    (("model.layers.0.self_attn.q_proj",), ["kda"]),
+    (("model.layers.0.self_attn.q_proj", "model.layers.3.self_attn.q_b_proj"), ["kda", "mla"]),
+])
+def test_fp8_attention_is_read_from_the_checkpoint_and_planned_as_fp8(tmp_path, scaled, families):
+    """An FP8 checkpoint whose attention projections carry block scales (`glmctl quantize fp8`'s
+    default) is planned with those families in FP8, as glmctl's plugin holds them; `--kda bf16`
+    still overrides."""
+    import json
+
+    from glmctl.plan.model import load_model_spec
+    from glmctl.plan.presets import PRESETS
+    from glmctl.plan.setup import WeightFormats
+    from glmctl.plan.weights import weight_groups
+
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps({**PRESETS["glm-5.3-flash"], "quantization_config": quant}))
+    names = {f"{m}.{leaf}": "model-00001.safetensors" for m in scaled for leaf in ("weight", "weight_scale_inv")}
+    names["model.layers.3.mlp.experts.0.up_proj.weight_scale_inv"] = "model-00001.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    spec = load_model_spec(tmp_path)
+    assert spec.fp8_attention == families
+    formats = WeightFormats.for_checkpoint(spec.checkpoint_quant, spec.fp8_attention)
+    assert [g for g in ("kda", "mla") if formats.model_dump()[g]["kind"] == "fp8"] == families
+    bf16 = {g.group: g.bytes for g in weight_groups(spec, 8, WeightFormats.for_checkpoint("fp8"))}
+    planned = {g.group: g.bytes for g in weight_groups(spec, 8, formats)}
+    for family in ("kda", "mla"):
+        assert (planned[family] < bf16[family]) == (family in families)
+    forced = WeightFormats.for_checkpoint(spec.checkpoint_quant, spec.fp8_attention, kda="bf16")
+    assert forced.kda.kind == "bf16"
+
+
+def test_fp8_attention_of_a_converted_checkpoint(tiny_checkpoint, tmp_path):
+    """The real converter's output (shard headers only, no index) and a BF16 source."""
+    from pathlib import Path
+
+    from glmctl.quantize.fp8_convert import convert_fp8
+    from glmctl.quantize.fp8_plan import Fp8Settings
+
+    from glmctl.plan.model import load_model_spec
+
+    src = Path(tiny_checkpoint.path)
+    assert load_model_spec(src).fp8_attention == []
+    out = tmp_path / "fp8"
+    convert_fp8(src, out, Fp8Settings())
+    assert load_model_spec(out).fp8_attention == ["kda", "mla"]
+    (out / "model.safetensors.index.json").unlink()  # then from the shard headers
+    assert load_model_spec(out).fp8_attention == ["kda", "mla"]
