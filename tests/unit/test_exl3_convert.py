@@ -246,3 +246,38 @@ def test_default_tp_degrees_come_from_the_shipped_exl3_profiles(tmp_path, monkey
     assert default_tp_degrees() == (8,)  # only profiles that serve EXL3 experts count
     (tmp_path / "commercial.yaml").unlink()
     assert default_tp_degrees() == (1, 2, 4, 8)  # none shipped: every degree up to a node of 8
+
+
+def test_exl3_over_an_fp8_attention_checkpoint_keeps_its_fp8_attention(tiny_checkpoint, tmp_path):
+    """The commercial chain: `glmctl quantize fp8` (attention projections), then `glmctl quantize
+    exl3` (routed experts). The attention tensors and scales pass through byte for byte, the FP8
+    config rides along as glmctl_exl3's non-expert config, the planner sees FP8 attention, and the
+    plugin's FP8-attention hooks find the block-FP8 config inside vLLM's glmctl_exl3 config."""
+    import torch
+    from glmctl.quantize.fp8_convert import convert_fp8
+    from glmctl.quantize.fp8_plan import Fp8Settings
+
+    from glmctl.plan.model import load_model_spec
+    from glmctl.plugin.exl3_config import Exl3ExpertsConfig
+    from glmctl.plugin.fp8_attention import _block_fp8
+
+    fp8 = tmp_path / "fp8"
+    convert_fp8(Path(tiny_checkpoint.path), fp8, Fp8Settings())
+    out = tmp_path / "exl3"
+    convert_exl3(fp8, out, TP1, quantizer=FakeQuantizer())
+
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    spec = Exl3ExpertsSpec.from_config(quant)
+    assert spec.non_experts["quant_method"] == "fp8" and spec.non_experts["weight_block_size"] == [128, 128]
+    before, after = _load(fp8), _load(out)
+    scales = [n for n in before if n.endswith(".weight_scale_inv") and ".self_attn." in n]
+    assert len(scales) > 20
+    for name in scales:
+        weight = name.removesuffix("_scale_inv")
+        assert torch.equal(after[name], before[name]), name
+        assert torch.equal(after[weight].view(torch.uint8), before[weight].view(torch.uint8)), weight
+
+    model = load_model_spec(out)
+    assert model.checkpoint_quant == "exl3:4" and model.fp8_attention == ["kda", "mla"]
+    block = _block_fp8(Exl3ExpertsConfig.from_config(quant))
+    assert block is not None and block.block == 128
