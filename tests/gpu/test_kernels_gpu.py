@@ -312,12 +312,12 @@ def test_kpool_decode_update_mtp_ring_matches_reference_and_replays_in_a_graph()
     ring, num_req, next_n, page_pools = KPOOL + 2, 48, 4, 64
     g = torch.Generator(device="cuda").manual_seed(0)
     ape = torch.randn(KPOOL, 128, generator=g, device=_dev())
-    base = _pool_cache(200, page_pools)
+    base = _pool_cache(400, page_pools)
     caches = [base, base.clone()]
     tail = torch.randn(num_req, 2, ring, 128, generator=g, device=_dev()).to(torch.bfloat16)
     tails = [tail, tail.clone()]
-    pages = torch.stack([torch.randperm(200, generator=g, device=_dev())[:8]
-                         for _ in range(num_req)])
+    # disjoint per request, as vLLM's allocator gives them (shared pages would race)
+    pages = torch.randperm(400, generator=g, device=_dev())[: num_req * 8].view(num_req, 8)
     first = torch.randint(0, 400, (num_req,), generator=g, device=_dev())
     blocks = torch.randperm(num_req, generator=g, device=_dev())
 
@@ -351,9 +351,11 @@ def test_kpool_decode_update_mtp_ring_matches_reference_and_replays_in_a_graph()
         outside[slots] = False
         assert not differ[outside].any()  # nothing but completed pools was written
         assert int(differ.sum()) <= max(2, slots.numel() // 20)
-        scale = s1[..., None].double()
-        assert torch.allclose(v0.double() * scale, v1.double() * scale, rtol=0.13, atol=0,
-                              equal_nan=True)
+        # a last-bit exp flip moves one pooled value by a bf16 ulp; the Hadamard rotation spreads
+        # it over the row, so small outputs may land a few fp8 codes apart (scales are equal)
+        rows = differ.view(v0.shape[:2])
+        a, b = v0[rows].double(), v1[rows].double()
+        assert torch.allclose(a, b, rtol=0.13, atol=448 * 2**-10), (a, b)
 
     compare()
     # Captured once, replayed with new tokens at the same positions (a static graph's inputs).
