@@ -129,6 +129,14 @@ def all_reduce_two_shot(comm, x, out, plan: CollectivePlan, stream: int) -> None
 
     comm.barrier(0, stream)
     _fork(comm, stream)
+    _skewed(k, send_slice, reduce_slice, send_result, gather_slice)
+    kernels.bump_progress(comm._progress)
+    _join(comm, stream)
+
+
+def _skewed(k: int, send_slice, reduce_slice, send_result, gather_slice, last_gather=None) -> None:
+    """The two-shot schedule over k slices, skewed by one: slice s is sent and reduced while
+    slice s - 1's results go out and come back."""
     for s in range(k):
         send_slice(s)
         if s:
@@ -137,9 +145,7 @@ def all_reduce_two_shot(comm, x, out, plan: CollectivePlan, stream: int) -> None
         if s:
             gather_slice(s - 1)
     send_result(k - 1)
-    gather_slice(k - 1)
-    kernels.bump_progress(comm._progress)
-    _join(comm, stream)
+    (last_gather or gather_slice)(k - 1)
 
 
 def _quantize_all(comm, x, plan: CollectivePlan) -> int:
@@ -207,15 +213,8 @@ def all_reduce_int8(comm, x, out, plan: CollectivePlan, stream: int) -> None:
                                 total=plan.numel - first * ce, records=n, rec_stride=rec,
                                 out_stride=ce, skip=r, progress=comm._progress, tick=tick)
 
-    for s in range(k):
-        send_slice(s)
-        if s:
-            send_result(s - 1)
-        reduce_slice(s)
-        if s:
-            gather_slice(s - 1)
-    send_result(k - 1)
-    gather_slice(k - 1, tick=True)
+    _skewed(k, send_slice, reduce_slice, send_result, gather_slice,
+            last_gather=lambda s: gather_slice(s, tick=True))
     _join(comm, stream)
 
 
