@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +17,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from glmctl.serving.server import free_port
+
 STARTUP_TIMEOUT_S = 420  # ~30 s alone on 2 cores; the CI machine may be busy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

