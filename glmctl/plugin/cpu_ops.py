@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from glmctl.kernels.kda import chunk_kda_varlen, fused_recurrent_kda_varlen
 from glmctl.kernels.kda_conv import causal_conv1d_update_ref
 from glmctl.plugin.cpu_mtp import WithoutWarmup
+from glmctl.plugin.patching import after_init
 
 
 def install() -> list[str]:
@@ -97,18 +98,11 @@ def _install_kda() -> None:
 
     # vLLM CPU would repack the fp32 [dim, 1, width] conv weights for its bf16 C++ conv kernel
     # (and fails on fp32); our conv update reads them as stored.
-    layer_cls = kda.Glm5NextLinearAttention
-    if getattr(layer_cls, "_glmctl_wrapped", False):
-        return
-    stock_init = layer_cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        stock_init(self, *args, **kwargs)
-        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+    def keep_conv_layout(layer, *args, **kwargs):
+        for conv in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d):
             conv.skip_weight_relayout = True
 
-    layer_cls.__init__ = __init__
-    layer_cls._glmctl_wrapped = True
+    after_init(kda.Glm5NextLinearAttention, "cpu_conv_layout", keep_conv_layout)
 
 
 # -- MLA q/kv RMSNorm ---------------------------------------------------------------------------
@@ -158,17 +152,10 @@ def _install_indexer_helpers() -> None:
 
     # The indexer slices its fused wk|weights_proj weight by rows in forward; vLLM CPU would
     # repack that weight for its GEMM kernel and the slice would no longer be rows.
-    indexer_cls = attention.Indexer
-    if getattr(indexer_cls, "_glmctl_wrapped", False):
-        return
-    stock_init = indexer_cls.__init__
+    def keep_row_layout(indexer, *args, **kwargs):
+        indexer.wk_weights_proj.skip_weight_relayout = True
 
-    def __init__(self, *args, **kwargs):
-        stock_init(self, *args, **kwargs)
-        self.wk_weights_proj.skip_weight_relayout = True
-
-    indexer_cls.__init__ = __init__
-    indexer_cls._glmctl_wrapped = True
+    after_init(attention.Indexer, "cpu_wk_layout", keep_row_layout)
 
 
 # -- MTP ----------------------------------------------------------------------------------------

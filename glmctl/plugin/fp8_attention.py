@@ -40,6 +40,7 @@ from glmctl.plugin.fp8_selection import (
     site,
     switched_off,
 )
+from glmctl.plugin.patching import wrap_once
 
 logger = logging.getLogger("vllm.glmctl")
 _MARK = "_glmctl_fp8_attention"
@@ -78,18 +79,11 @@ def install_model_hooks() -> None:
 
     from glmctl.plugin.fp8_loading import wrap_load_weights
 
-    _wrap(kda.Glm5NextLinearAttention, "__init__", _kda_init)
-    _wrap(attention.Glm5NextMLAAttention, "__init__", _mla_init)
-    _wrap(model.Glm5NextModel, "load_weights", wrap_load_weights)
-    _wrap(mtp.Glm5NextMTP, "load_weights", wrap_load_weights)
-
-
-def _wrap(cls, name: str, make) -> None:
-    marker = f"{_MARK}_{name}"
-    if cls.__dict__.get(marker):
-        return
-    setattr(cls, name, make(getattr(cls, name)))
-    setattr(cls, marker, True)
+    for cls, name, make in ((kda.Glm5NextLinearAttention, "__init__", _kda_init),
+                            (attention.Glm5NextMLAAttention, "__init__", _mla_init),
+                            (model.Glm5NextModel, "load_weights", wrap_load_weights),
+                            (mtp.Glm5NextMTP, "load_weights", wrap_load_weights)):
+        wrap_once(cls, name, make, "fp8_attention")
 
 
 # -- which units are FP8 -----------------------------------------------------------------------------

@@ -28,16 +28,11 @@ def shared_indexer_layer(config, prefix: str) -> bool:
 def install() -> str:
     from vllm.models.glm5next.nvidia.attention import Glm5NextMLAAttention
 
-    if getattr(Glm5NextMLAAttention, "_glmctl_wrapped", False):
-        return "shared indexer layers"
-    stock_init = Glm5NextMLAAttention.__init__
+    from glmctl.plugin.patching import after_init
 
-    def __init__(self, vllm_config, config, *args, **kwargs):
-        stock_init(self, vllm_config, config, *args, **kwargs)
-        prefix = kwargs.get("prefix", "")
-        if self.indexer is not None and shared_indexer_layer(config, prefix):
-            self.mla_attn.skip_topk = True
+    def reuse_shared_topk(layer, vllm_config, config, *args, **kwargs):
+        if layer.indexer is not None and shared_indexer_layer(config, kwargs.get("prefix", "")):
+            layer.mla_attn.skip_topk = True
 
-    Glm5NextMLAAttention.__init__ = __init__
-    Glm5NextMLAAttention._glmctl_wrapped = True
+    after_init(Glm5NextMLAAttention, "shared_indexer", reuse_shared_topk)
     return "shared indexer layers"
