@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -144,8 +143,8 @@ def calibrate(device: int | None = None, *, save: bool = True) -> CollectivesCal
 
             reps = 20 if band == "small" else 4
             for direction, ce, sm in (("d2h", ce_d2h, sm_d2h), ("h2d", ce_h2d, sm_h2d)):
-                ce_us = _time_graph_us(ce, reps)
-                sm_us = _time_graph_us(sm, reps)
+                ce_us = graph_time_us(ce, reps, 5, warm_up=True)
+                sm_us = graph_time_us(sm, reps, 5, warm_up=True)
                 choices.append(EngineChoice(direction=direction, band=band, probe_bytes=size,
                                             ce_us=round(ce_us, 2), sm_us=round(sm_us, 2),
                                             engine="ce" if ce_us <= sm_us else "sm"))
@@ -171,30 +170,30 @@ def calibrate(device: int | None = None, *, save: bool = True) -> CollectivesCal
     return cal
 
 
-def _time_graph_us(op, reps: int) -> float:
-    """Microseconds per `op` as the median of 5 replays of a graph holding `reps` of them."""
+def graph_time_us(op, calls: int, replays: int, *, warm_up: bool = False) -> float:
+    """Microseconds per `op`: median over `replays` replays of a graph holding `calls` of them
+    (`warm_up`: run `op` once on a side stream first, so a kernel compiles outside the capture)."""
     import torch
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        op()  # warm-up compiles the kernel outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
+    if warm_up:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            op()
+        torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
+        for _ in range(calls):
             op()
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(5):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    times.sort()
+        times.append(start.elapsed_time(end) * 1000 / calls)
     del graph
-    time.sleep(0)
-    return times[len(times) // 2]
+    return sorted(times)[len(times) // 2]

@@ -10,32 +10,10 @@ the probe in the layering).
 
 from __future__ import annotations
 
-from glmctl.collectives.calibration import CollectivesCalibration, calibration_status
+from glmctl.collectives.calibration import CollectivesCalibration, calibration_status, graph_time_us
 
 MiB = 1 << 20
 VARIANTS = (("all_reduce", False), ("all_reduce", True), ("all_gather", False), ("all_gather", True))
-
-
-def graph_time_us(op, calls: int, replays: int) -> float:
-    """Microseconds per `op`: median over `replays` replays of a graph holding `calls` of them."""
-    import torch
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            op()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def time_collectives(rank: int, world: int, session: str, sizes: list[int],
