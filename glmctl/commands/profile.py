@@ -148,11 +148,6 @@ def render_cmd(
     result = {"config": launch.config, "env": launch.env, "command": launch.command(config, env)}
 
     def draw_inline(console) -> None:
-        console.print(f"# --- {render.CONFIG_NAME}", markup=False, soft_wrap=True)
-        console.print(launch.config_yaml(), markup=False, end="", soft_wrap=True)
-        console.print(f"\n# --- {render.ENV_NAME}", markup=False, soft_wrap=True)
-        console.print(launch.env_file(), markup=False, end="", soft_wrap=True)
-        console.print("\n# --- command", markup=False, soft_wrap=True)
-        console.print(result["command"], markup=False, soft_wrap=True)
+        console.print(launch.listing(config, env), markup=False, soft_wrap=True)
 
     out.result(result, draw_inline)

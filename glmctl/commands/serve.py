@@ -105,12 +105,7 @@ def _dry_run(out, profile: str, model, drafter, host: str, port: int) -> None:
 
     def draw(console) -> None:
         console.print(f"# dry run: nothing was started or written; glmctl would write {run_dir}/", markup=False, soft_wrap=True)
-        console.print(f"# --- {config}", markup=False, soft_wrap=True)
-        console.print(launch.config_yaml(), markup=False, end="", soft_wrap=True)
-        console.print(f"\n# --- {env}", markup=False, soft_wrap=True)
-        console.print(launch.env_file(), markup=False, end="", soft_wrap=True)
-        console.print("\n# --- command", markup=False, soft_wrap=True)
-        console.print(result["command"], markup=False, soft_wrap=True)
+        console.print(launch.listing(config, env), markup=False, soft_wrap=True)
         for note in prof.advisories():
             out.warn(_escape(note))
 

@@ -75,6 +75,12 @@ class RenderedLaunch:
         serve = shlex.join([*_vllm_serve_words(), "--config", str(config_path)])
         return f"{load_env} && {'exec ' if exec_ else ''}{serve}"
 
+    def listing(self, config_path: Path, env_path: Path) -> str:
+        """The config file, the env file and the command under `# --- NAME` headings: what
+        `glmctl profile render` (no --out) and `glmctl serve --dry-run` print."""
+        return (f"# --- {config_path}\n{self.config_yaml()}\n# --- {env_path}\n{self.env_file()}"
+                f"\n# --- command\n{self.command(config_path, env_path)}")
+
     def notices_text(self) -> str:
         parts = []
         for lic in self.notices:
