@@ -206,6 +206,25 @@ class ShardReader:
             done += n
 
 
+def checkpoint_tensor_names(path: Path) -> list[str] | None:
+    """Tensor names of a local checkpoint directory, from its index or else its shard headers;
+    None when there are none or they cannot be read (a damaged checkpoint is the loader's to
+    report)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_text())["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        return None
+    try:
+        return [name for shard in shards for name in read_header(shard).tensors]
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:
     """posix_fadvise where the platform has it; a hint, so failures are ignored."""
     flag = getattr(os, advice, None)

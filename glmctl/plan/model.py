@@ -126,18 +126,9 @@ _FP8_ATTENTION_MARKERS = {"kda": "self_attn.q_proj.weight_scale_inv",
 def _fp8_attention(checkpoint: Path) -> list[str]:
     """Which attention families hold block-FP8 projections, from the checkpoint's tensor names
     (its index, else its shard headers); [] when there are none or they cannot be read."""
-    names: list[str] = []
-    index = checkpoint / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            names = list(json.loads(index.read_text())["weight_map"])
-        else:
-            from glmctl.quantize.safetensors_io import read_header
+    from glmctl.quantize.safetensors_io import checkpoint_tensor_names
 
-            for shard in sorted(checkpoint.glob("*.safetensors")):
-                names += read_header(shard).tensors
-    except Exception:  # noqa: BLE001 - a damaged checkpoint is the loader's to report
-        return []
+    names = checkpoint_tensor_names(checkpoint) or []
     return [family for family, marker in _FP8_ATTENTION_MARKERS.items()
             if any(n.endswith(marker) for n in names)]
 

@@ -40,7 +40,6 @@ GLMCTL_FP8_ATTENTION_METHOD=vllm|dequant picks the FP8 units' linear method (def
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -149,26 +148,14 @@ def fits_block(rows_per_rank: Sequence[int], cols_per_rank: int, block: int, spl
 def checkpoint_tensor_names(model: str, revision: str | None = None) -> list[str] | None:
     """Tensor names of a local checkpoint directory (or one in the Hugging Face cache); None if
     they cannot be read without downloading."""
+    from glmctl.quantize.safetensors_io import checkpoint_tensor_names as local_names
+
     path = Path(model).expanduser()
     if not path.is_dir():
         path = _hub_cache_dir(model, revision)
         if path is None:
             return None
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return list(json.loads(index.read_text())["weight_map"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        return None
-    from glmctl.quantize.safetensors_io import read_header
-
-    try:
-        return [name for shard in shards for name in read_header(shard).tensors]
-    except Exception:  # noqa: BLE001 - a damaged header is vLLM's loader's to report
-        return None
+    return local_names(path)
 
 
 def _hub_cache_dir(repo_id: str, revision: str | None) -> Path | None:
