@@ -19,13 +19,13 @@ GLMCTL_TEST_TINY_MODEL=glm|llama overrides that choice.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.vllm.plugin_servers import ServerHttp
 
 
 def plugin_serves_tiny_glm() -> bool:
@@ -41,7 +41,7 @@ def tiny_model_kind() -> str:
 
 
 @dataclass(frozen=True)
-class TinyServer:
+class TinyServer(ServerHttp):
     base_url: str
     """http://127.0.0.1:PORT (no /v1)."""
     model: str
@@ -62,19 +62,6 @@ class TinyServer:
     @property
     def url(self) -> str:
         return self.base_url
-
-    def get(self, path: str, timeout: float = 60) -> str:
-        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
-            return resp.read().decode()
-
-    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture(scope="session")

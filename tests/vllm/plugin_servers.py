@@ -22,8 +22,28 @@ from glmctl.serving.server import free_port
 STARTUP_TIMEOUT_S = 420  # ~30 s alone on 2 cores; the CI machine may be busy
 
 
+class ServerHttp:
+    """Requests to a test server at `self.base_url` (no /v1) and its log at `self.log_path`."""
+
+    base_url: str
+    log_path: Path
+
+    def get(self, path: str, timeout: float = 60) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
 @dataclass
-class Server:
+class Server(ServerHttp):
     url: str
     proc: subprocess.Popen
     log: Path
@@ -32,18 +52,9 @@ class Server:
     def base_url(self) -> str:
         return self.url
 
-    def get(self, path: str, timeout: float = 60) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            return r.read().decode()
-
-    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+    @property
+    def log_path(self) -> Path:
+        return self.log
 
     def stop(self) -> None:
         if self.proc.poll() is None:
