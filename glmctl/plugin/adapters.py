@@ -15,7 +15,7 @@ def install(target: Target) -> list[str]:
     from glmctl.plugin import mhc, model_hooks, mtp
 
     installed = [_install_backend_selection(), _register_indexer(), model_hooks.install(),
-                 mtp.install(), mhc.install(), _install_kpool_block_alignment()]
+                 mtp.install(), mhc.install(target), _install_kpool_block_alignment()]
     if target is Target.TORCH:
         from glmctl.plugin import cpu_ops
 

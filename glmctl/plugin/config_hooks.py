@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 
+from glmctl.plugin import mhc
 from glmctl.plugin.policy import Target, kpool_block_size, num_speculative_tokens
 
 logger = logging.getLogger("vllm.glmctl")
 
 
 def update_glm5_next_config(vllm_config, stock, target: Target | None) -> None:
-    if target is Target.TORCH or not _tilelang_installed():
-        # The model registers tilelang (mHC) JIT warmups (and Triton ones); tilelang is
-        # optional on CUDA and neither exists on CPU.
+    if target is None or not mhc.uses_tilelang(target):
+        # The model registers tilelang mHC JIT warm-ups whenever warm-ups are on; where the
+        # plugin's mHC path runs instead (CPU, sm_8x, no tilelang) they would compile kernels
+        # that never run, or fail. The other warm-ups are Triton kernels, compiled on first use.
         vllm_config.kernel_config.enable_jit_warmup = False
     stock(vllm_config)
     if target is Target.TORCH:
@@ -46,9 +48,3 @@ def _fix_cpu_cache_config(vllm_config) -> None:
     if not cache_config.enable_prefix_caching and not cache_config.user_specified_mamba_block_size:
         cache_config.mamba_cache_mode = "none"
         cache_config.mamba_block_size = model_config.max_model_len
-
-
-def _tilelang_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tilelang") is not None

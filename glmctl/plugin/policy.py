@@ -138,3 +138,41 @@ def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: i
 def num_speculative_tokens(vllm_config) -> int:
     spec = getattr(vllm_config, "speculative_config", None)
     return int(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
+
+
+ENV_MHC = "GLMCTL_MHC"
+
+
+class MhcPath(enum.StrEnum):
+    """Which implementation runs vLLM's mHC ops (pre, fused post+pre, post, delayed pre, head)."""
+
+    TILELANG = "tilelang"  # vLLM's own CUDA kernels (tilelang JIT)
+    TRITON = "triton"  # glmctl's Triton kernels (glmctl.kernels.mhc)
+    TORCH = "torch"  # vLLM's torch reference functions, with the input norm applied
+
+
+def decide_mhc_path(raw: str | None, target: Target, capability: tuple[int, int] | None,
+                    tilelang_present: bool) -> tuple[MhcPath, str]:
+    """The mHC implementation and why. ``raw``: the value of GLMCTL_MHC (auto by default).
+
+    On vLLM's CPU platform the torch path always runs (with the norm vLLM CPU drops). On CUDA,
+    ``auto`` keeps vLLM's tilelang kernels on sm_90+ where vLLM ships and tests them, and takes
+    glmctl's Triton kernels on sm_8x and wherever tilelang is not importable: vLLM 0.30 calls
+    tilelang unconditionally on CUDA, so without it the engine dies in its first forward.
+    """
+    value = (raw or "auto").strip().lower()
+    if value not in ("auto", *MhcPath):
+        raise ValueError(f"{ENV_MHC}={raw!r} is not one of auto, tilelang, triton, torch")
+    if target is Target.TORCH:
+        return MhcPath.TORCH, "vLLM's CPU platform"
+    if value != "auto":
+        path = MhcPath(value)
+        if path is MhcPath.TILELANG and not tilelang_present:
+            raise ValueError(f"{ENV_MHC}=tilelang but tilelang is not importable "
+                             f"(pip install tilelang, or use {ENV_MHC}=triton)")
+        return path, f"{ENV_MHC}={value}"
+    if not tilelang_present:
+        return MhcPath.TRITON, "tilelang is not importable"
+    if capability is not None and capability[0] < 9:
+        return MhcPath.TRITON, f"sm_{capability[0]}{capability[1]}: vLLM tests tilelang mHC on sm_90+"
+    return MhcPath.TILELANG, "vLLM's tilelang kernels (sm_90+)"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from glmctl.plugin.policy import (
+    MhcPath,
     PlatformFacts,
     PluginMode,
     Target,
+    decide_mhc_path,
     decide_platform,
     is_glm5_next,
     kpool_block_size,
@@ -99,3 +101,27 @@ def test_kpool_block_size_fits_the_mtp_tail_ring():
     assert kpool_block_size(16, 16, 128) == 1024
     assert kpool_block_size(16, 16, 128, num_speculative_tokens=3) == 1536
     assert kpool_block_size(2048, 16, 128, num_speculative_tokens=3) == 2048
+
+
+@pytest.mark.parametrize("raw, target, cap, tilelang, expected", [
+    (None, Target.TORCH, None, False, MhcPath.TORCH),
+    ("triton", Target.TORCH, None, True, MhcPath.TORCH),  # vLLM CPU has only the torch path
+    (None, Target.TRITON, (8, 9), True, MhcPath.TRITON),  # sm_89: glmctl's Triton kernels
+    (None, Target.TRITON, (8, 9), False, MhcPath.TRITON),
+    (None, Target.TRITON, (9, 0), False, MhcPath.TRITON),  # no tilelang: never call it
+    (None, Target.TRITON, (9, 0), True, MhcPath.TILELANG),  # sm_90+ with tilelang: vLLM's own
+    ("auto", Target.TRITON, (9, 0), True, MhcPath.TILELANG),
+    ("torch", Target.TRITON, (9, 0), True, MhcPath.TORCH),
+    (" Triton ", Target.TRITON, (9, 0), True, MhcPath.TRITON),
+    ("tilelang", Target.TRITON, (8, 9), True, MhcPath.TILELANG),  # an operator's choice
+])
+def test_decide_mhc_path(raw, target, cap, tilelang, expected):
+    path, why = decide_mhc_path(raw, target, cap, tilelang)
+    assert path is expected and why
+
+
+def test_decide_mhc_path_refuses_bad_values():
+    with pytest.raises(ValueError, match="GLMCTL_MHC='fast' is not one of"):
+        decide_mhc_path("fast", Target.TRITON, (8, 9), True)
+    with pytest.raises(ValueError, match="tilelang is not importable"):
+        decide_mhc_path("tilelang", Target.TRITON, (8, 9), False)

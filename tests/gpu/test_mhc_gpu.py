@@ -1,0 +1,117 @@
+"""GPU lane: glmctl's Triton mHC kernels at GLM-5.3-Flash's shape (4 streams, hidden 4096, 20
+Sinkhorn iterations) against their torch references run in fp32 on the same GPU, vLLM 0.30's own
+torch mHC functions where vLLM is importable, and CUDA-graph replay with new inputs.
+
+Tolerances: the gates differ from the fp32 reference only by summation order (16,384-term dot
+products); bf16 outputs by at most one rounding step of the fp32 value (two for the normed
+layer input, which is rounded three times)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+N, H = 4, 4096
+GATES = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult_value=2.0,
+             sinkhorn_repeat=20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+def _inputs(t, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    residual = torch.randn(t, N, H, generator=g, device=dev).to(torch.bfloat16)
+    x = torch.randn(t, H, generator=g, device=dev).to(torch.bfloat16)
+    fn = torch.randn(N * (N + 2), N * H, generator=g, device=dev) * (N * H) ** -0.5
+    scale = torch.rand(3, generator=g, device=dev) + 0.5
+    base = torch.randn(N * (N + 2), generator=g, device=dev) * 0.3
+    post = torch.rand(t, N, 1, generator=g, device=dev) * 2
+    comb = torch.softmax(torch.randn(t, N, N, generator=g, device=dev), dim=-1)
+    weight = (1 + 0.2 * torch.randn(H, generator=g, device=dev)).to(torch.bfloat16)
+    return residual, x, fn, scale, base, post, comb, weight
+
+
+def _steps(a, b, steps):
+    diff = (a.float() - b.float()).abs()
+    tol = steps * 2 ** -7 * b.float().abs() + 1e-6
+    assert torch.all(diff <= tol), f"max excess {(diff - tol).max().item():.3g}"
+
+
+@pytest.mark.parametrize("t", [1, 8, 32, 48, 300, 2048])
+def test_fused_post_pre_matches_reference(t):
+    from glmctl.kernels import mhc
+
+    residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(t, seed=t)
+    args = (x, residual, post_in, comb_in, fn, scale, base)
+    cur, post, comb, lin = mhc.mhc_fused_post_pre(*args, **GATES, norm_weight=weight,
+                                                  norm_eps=1e-5)
+    _steps(cur, mhc.mhc_post_ref(x, residual, post_in, comb_in), 1)
+    post_r, comb_r, lin_r = mhc.mhc_pre_ref(cur, fn, scale, base, **GATES, norm_weight=weight,
+                                            norm_eps=1e-5)
+    torch.testing.assert_close(post, post_r, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(comb, comb_r, rtol=1e-4, atol=1e-5)
+    _steps(lin, lin_r, 2)
+
+
+@pytest.mark.parametrize("t", [1, 32, 2048])
+def test_pre_and_post_match_vllm_torch_functions(t):
+    vk = pytest.importorskip("vllm.model_executor.kernels.mhc.torch")
+    from glmctl.kernels import mhc
+
+    residual, x, fn, scale, base, post_in, comb_in, _ = _inputs(t, seed=100 + t)
+    post, comb, lin = mhc.mhc_pre(residual, fn, scale, base, **GATES)
+    post_v, comb_v, lin_v = vk.mhc_pre_torch(residual, fn, scale, base, **GATES)
+    torch.testing.assert_close(post, post_v, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(comb, comb_v, rtol=1e-4, atol=1e-5)
+    _steps(lin, lin_v, 1)
+    _steps(mhc.mhc_post(x, residual, post_in, comb_in),
+           vk.mhc_post_torch(x, residual, post_in, comb_in), 1)
+
+
+def test_registered_ops_keep_the_callers_shape():
+    pytest.importorskip("vllm")
+    from glmctl.kernels import mhc
+    from glmctl.plugin import mhc_ops
+
+    mhc_ops.register()
+    residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(6, seed=5)
+    gates = tuple(GATES.values())
+    out = torch.ops.glmctl.mhc_fused_post_pre(
+        x, residual, post_in, comb_in, fn, scale, base, *gates, weight, 1e-5, [6])
+    ref = mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **GATES,
+                                 norm_weight=weight, norm_eps=1e-5)
+    for a, b in zip(out, ref, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    post, comb, lin = torch.ops.glmctl.mhc_pre(residual, fn, scale, base, *gates, None, 0.0, [6])
+    assert post.shape == (6, N, 1) and comb.shape == (6, N, N) and lin.shape == (6, H)
+
+
+def test_graph_replay_with_new_inputs_matches_eager():
+    from glmctl.kernels import mhc
+
+    t = 32
+    static = _inputs(t, seed=1)
+    residual, x, fn, scale, base, post_in, comb_in, weight = static
+    kw = dict(**GATES, norm_weight=weight, norm_eps=1e-5)
+    for _ in range(2):  # compile outside the capture
+        mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
+    for seed in range(2, 12):
+        fresh = _inputs(t, seed=seed)
+        for dst, src in zip((residual, x, post_in, comb_in), (fresh[0], fresh[1], fresh[5],
+                                                              fresh[6]), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        eager = mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
+        for a, b in zip(outs, eager, strict=True):
+            assert torch.equal(a, b), f"replay {seed} differs from eager"
