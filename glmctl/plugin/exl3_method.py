@@ -52,8 +52,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                                                  self.spec.bits).items():
             param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
             layer.register_parameter(name, param)
-            set_weight_attrs(param, {"weight_loader": self._loader(layer, name.split("_", 1)[1], full,
-                                                                   tp_size, tp_rank)})
+            attrs = {"weight_loader": self._loader(layer, name.split("_", 1)[1], full, tp_size, tp_rank)}
+            if name.endswith("_mul1"):
+                # load_format=dummy fills parameters with this value (vLLM's dummy_weight_value);
+                # the other tensors get its random floats or stay zero, which the kernels run on
+                # at the same cost, so a random-weight model (the per-rank simulation) loads.
+                attrs["dummy_weight_value"] = MUL1_MARKER
+            set_weight_attrs(param, attrs)
 
     def _loader(self, layer, suffix: str, full_intermediate: int, tp_size: int, tp_rank: int):
         def load(param, loaded_weight: torch.Tensor, weight_name: str = "", shard_id: str = "",
