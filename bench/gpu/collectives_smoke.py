@@ -20,7 +20,7 @@ def rank_body(rank: int, world: int, session: str) -> dict:
     t0 = time.perf_counter()
     comm = HostStagedCommunicator(rank, world, session, 16 << 20, timeout_s=20)
     info = {"init_s": time.perf_counter() - t0, "engines": str(comm.copy_engines),
-            "memops": comm._drv.memop_mode,
+            "memops": comm._drv.memop_mode, "options": str(comm.options),
             "calibration": comm.calibration.model_dump() if comm.calibration else None}
     try:
         for int8 in (False, True):

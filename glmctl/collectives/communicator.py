@@ -1,45 +1,26 @@
 """`HostStagedCommunicator`: all-reduce and all-gather between the TP processes of one node through
 pinned host memory, CUDA-graph safe, with optional INT8 payloads.
 
-Synchronization: stream memory operations on pairwise flags (chosen; why below). Each call is a
-fixed sequence of barriers (2, or 3 for two-shot). At barrier b rank r's stream writes 1 into
-flag[b][r->j] for every peer j (after its earlier copies, with the driver's system-scope fence),
-waits until flag[b][j->r] == 1 for every peer, then writes 0 back into those incoming flags. Every
-value is a constant, so a captured graph replays the same operations forever, with no epoch to keep
-on the device and no second graph to alternate with. The reset is safe although two parties write a
-flag (the sender 1, the receiver 0), because the protocol orders them: the sender writes 1 again
-only after passing a later barrier that the receiver reached after its reset, and each stream's
-writes to host memory land in order (fenced posted writes). A call needs at least two barriers for
-that argument, and has them: B0 "everyone finished reading the previous call's slots" and B1 "every
-slot holds this call's data" (+ B2 "every reduced chunk is published" for two-shot).
+Two kinds of synchronization, both replayable by a captured graph forever:
+- Barrier paths (`datapath.py`, `pipeline.py`): stream memory operations on pairwise flags. Each
+  call is a fixed sequence of barriers (2, or 3 for two-shot). At barrier b rank r's stream writes
+  1 into flag[b][r->j] for every peer j (after its earlier copies, with the driver's system-scope
+  fence), waits until flag[b][j->r] == 1 for every peer, then writes 0 back into those incoming
+  flags. Every value is a constant. The reset is safe although two parties write a flag, because
+  the sender writes 1 again only after passing a later barrier that the receiver reached after its
+  reset, and each stream's writes to host memory land in order; a call needs two barriers for that
+  argument, and has them: B0 "everyone finished reading the previous call's slots", B1 "every slot
+  holds this call's data" (+ B2 "every reduced chunk is published" for two-shot). A memory-op wait
+  sits in the stream front end and uses no SM while it waits.
+- The direct path (`direct.py`, small messages): one kernel that writes its payload, announces it
+  with call epochs (never reset) and polls the peers' from device code; no memory operations.
+Deadlines: neither kind of wait has one, so `watchdog.Watchdog` watches from the host and, when a
+peer dies or stalls, records the error and releases the waits (see there).
 
-Why not the other options (`shared/reference/kernels-collectives.md` 2.3-2.4):
-- Device epochs in a spinning kernel hold SMs while they wait. Several processes on one GPU (the
-  test rig) time-slice the GPU, so a spinning kernel burns whole time slices waiting for a peer that
-  cannot run; on a real node the spinner competes with compute. A memory-op wait sits in the stream
-  front end and uses no SM.
-- Alternating parity graphs double every captured graph and need the caller to alternate them.
-Deadlines: a memory-op wait has none, so `watchdog.Watchdog` watches from the host and, when a peer
-dies or stalls, records the error and releases the waits (see there).
-
-Measured (1x H200, 2 and 4 processes sharing the GPU, bench/results/collectives-h200.md): batched
-memory operations capture into graphs and 1,000 replays of a graph of five collectives gave correct,
-bitwise-identical results on every rank; a SIGKILLed rank was named by the others at once and a
-sleeping one after the timeout. Without MPS the GPU time-slices between the ranks' processes and a
-call costs at least ~0.3 ms (2 ranks) / ~0.9 ms (4 ranks) whatever its size: the context switches
-its barriers force, not the protocol (a spinning kernel would be worse there: it holds its time
-slice while the peer it waits for cannot run). Large messages run at 0.9-1.0 of back-to-back
-pinned-copy speed with the two copy directions of a call one after the other; `pipeline.py` now
-overlaps them (per-piece flags, a second stream), not yet measured at the time of writing.
-
-Data path (`plan.py` has the layouts): one-shot: copy own message into its host slot, B1, reduce all
-slots in rank order in fp32 (reading peers from host memory, or from a device mirror after
-copy-engine copies). Two-shot (3+ ranks, larger messages): B1, rank r reduces chunk r, publishes it
-to the result area, B2, copies the other chunks. The copy engine or SM path is chosen per direction
-and size band by `calibration.py`. Messages on the copy engine both ways are pipelined
-(`pipeline.py`): pieces go out on a second stream while earlier pieces come back, each piece
-announced by its own flag (the same single-writer constant writes, reset by the reader; a call
-keeps B0, which orders a flag's reset before its next raise exactly as above).
+The communicator owns the segment and its registration, the rank's `Staging` (addresses) and
+`MemopSync` (prepared barriers), and picks each call's plan (`plan.plan_call` with its
+`PathOptions`); the data paths see only those objects (`datapath.enqueue`). Messages larger than
+`max_bytes` go in several calls (`plan.message_pieces`).
 """
 
 from __future__ import annotations
@@ -49,8 +30,9 @@ import os
 import secrets
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
-from glmctl.collectives import datapath, kernels, pipeline
+from glmctl.collectives import datapath, kernels
 from glmctl.collectives.calibration import CollectivesCalibration, calibrate, load_calibration
 from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
 from glmctl.collectives.errors import CaptureMismatchError, CollectiveError, SegmentError
@@ -60,25 +42,32 @@ from glmctl.collectives.plan import (
     MAX_PIECES,
     CollectivePlan,
     CopyEngines,
-    fits,
-    plan_all_gather,
-    plan_all_reduce,
+    DirectLimits,
+    PathOptions,
+    align_up,
+    message_pieces,
+    plan_call,
     slot_capacity,
     use_int8,
 )
-from glmctl.collectives.protocol import arrive_memops, await_memops, barrier_memops
+from glmctl.collectives.protocol import MemopSync
 from glmctl.collectives.segment import (
-    BARRIERS,
-    PIECE_FLAGS,
+    DIRECT_PROGRAMS,
     R_CAPTURE_COUNT,
     R_CAPTURE_DIGEST,
     R_STATE,
     STATE_CLOSED,
+    W_ABORT,
     SharedSegment,
 )
+from glmctl.collectives.staging import DirectArea, Staging
 from glmctl.collectives.watchdog import Watchdog
 
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_DIRECT_CAPACITY = 512 * 1024  # bytes per direct-path slot: LL messages up to 256 KiB
+# Direct-path limits used unless the caller passes its own (measured on the thread rig,
+# bench/results/collectives-h200-threads.md)
+DEFAULT_DIRECT = DirectLimits(ll_max_bytes=0, flag_max_bytes=0)
 
 
 def default_timeout_s() -> float:
@@ -86,18 +75,39 @@ def default_timeout_s() -> float:
 
 
 def default_piece_bytes() -> int:
-    """Pipelining piece size from GLMCTL_COLLECTIVES_PIECE_KIB (2048 = plan.DEFAULT_PIECE_BYTES);
-    unset or 0: no pipelining, the default.
-
-    Off by default because it has only been measured with ranks time-slicing one H200, where each
-    piece's hand-off between processes pays a context switch: at 8 MiB it was 1.7x (2 ranks) and
-    11x (4 ranks) slower than unpipelined, and 1,000 graph replays at 4 ranks took 81 s instead of
-    9 s (bench/results/collectives-h200-pipelined.md vs collectives-h200.md). With one process per
-    GPU (the product) that cost does not exist; turn it on there once bench/multigpu.sh has
-    measured it on separate GPUs (issue 12).
-    """
+    """Pipelining piece size from GLMCTL_COLLECTIVES_PIECE_KIB; unset or 0: no pipelining."""
     raw = os.environ.get("GLMCTL_COLLECTIVES_PIECE_KIB", "").strip()
     return int(float(raw) * 1024) if raw else 0
+
+
+class PinnedSegment:
+    """A segment mapped and registered once for ranks that are threads of one process (the thread
+    rig): each rank's communicator takes `seg.view(rank)` instead of mapping and registering its
+    own. The creator closes it after every communicator on it is closed."""
+
+    def __init__(self, seg: SharedSegment, device_base: int) -> None:
+        self.seg, self.device_base = seg, device_base
+
+
+class _Side:
+    """`staging.SideStream` over a torch stream and driver events."""
+
+    def __init__(self, drv, stream: int, events: list[int]) -> None:
+        self.stream, self._drv, self._ev = stream, drv, events
+
+    def fork(self, main: int) -> None:
+        self._drv.event_record(self._ev[0], main)
+        self._drv.stream_wait_event(self.stream, self._ev[0])
+
+    def join(self, main: int) -> None:
+        self._drv.event_record(self._ev[1], self.stream)
+        self._drv.stream_wait_event(main, self._ev[1])
+
+    def signal(self, p: int, src: int) -> None:
+        self._drv.event_record(self._ev[2 + p], src)
+
+    def after(self, p: int, dst: int) -> None:
+        self._drv.stream_wait_event(dst, self._ev[2 + p])
 
 
 class HostStagedCommunicator:
@@ -105,13 +115,15 @@ class HostStagedCommunicator:
 
     rank, world_size: this process's place in the TP group. group_id: a name the ranks agree on and
     no other running group uses (with `cpu_group`, a torch.distributed CPU/gloo group, rank 0 adds a
-    random suffix and broadcasts it). max_bytes: the largest message (all-reduce input, all-gather
-    per-rank input) in bytes; sizes the shared segment (about (world+1) x max_bytes of /dev/shm) and
-    the device mirror (the same again in GPU memory). int8_min_bytes: all-reduces and all-gathers of
-    at least this many bytes use INT8 payloads unless the call says otherwise (None: only when asked).
-    timeout_s: how long a wait may make no progress before the peer is declared stalled.
-    on_error: called (from the watchdog thread) when the group breaks, e.g. to stop the process.
-    piece_bytes: pipelined calls cut copy-engine messages into pieces of about this size (0: off).
+    random suffix and broadcasts it). max_bytes: the largest message of one call (all-reduce input,
+    all-gather per-rank input) in bytes; larger ones go in several calls. It sizes the shared
+    segment (about (world+1) x max_bytes of /dev/shm) and the device mirror (the same again in GPU
+    memory). int8_min_bytes: all-reduces and all-gathers of at least this many bytes use INT8
+    payloads unless the call says otherwise (None: only when asked). timeout_s: how long a wait may
+    make no progress before the peer is declared stalled. on_error: called (from the watchdog
+    thread) when the group breaks, e.g. to stop the process. piece_bytes: pipelined calls cut
+    copy-engine messages into pieces of about this size (0: off). direct: which small messages
+    take the direct path (within `direct_capacity`). pinned: ranks as threads of one process only.
     """
 
     def __init__(self, rank: int, world_size: int, group_id: str, max_bytes: int, *,
@@ -119,14 +131,14 @@ class HostStagedCommunicator:
                  int8_group: int = DEFAULT_GROUP, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
                  copy_engines: CopyEngines | None = None, timeout_s: float | None = None,
                  init_timeout_s: float = 120.0, piece_bytes: int | None = None,
+                 direct: DirectLimits | None = None, direct_capacity: int = DEFAULT_DIRECT_CAPACITY,
+                 pinned: PinnedSegment | None = None,
                  on_error: Callable[[CollectiveError], None] | None = None) -> None:
         import torch
 
         self.disabled = True  # until start-up completes, and after close()
         self.rank, self.world_size, self.max_bytes = rank, world_size, max_bytes
-        self.int8_min_bytes, self.int8_group = int8_min_bytes, int8_group
-        self.one_shot_max_bytes = one_shot_max_bytes
-        self.piece_bytes = default_piece_bytes() if piece_bytes is None else piece_bytes
+        self.int8_min_bytes = int8_min_bytes
         self._events: list[int] = []
         self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         self.calibration: CollectivesCalibration | None = None
@@ -135,38 +147,42 @@ class HostStagedCommunicator:
         self._closed = False
         self._watchdog: Watchdog | None = None
         self._registered = False
+        self._owns_segment = pinned is None
         index = device if isinstance(device, int) or device is None else torch.device(device).index
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         torch.cuda.set_device(self.device)
         torch.zeros(1, device=self.device)  # the primary context is now current on this thread
         self._drv = driver()
         self._capacity = slot_capacity(max_bytes, world_size, int8_group)
-        session = self._agree_session(group_id, cpu_group)
-        if rank == 0:
-            self._seg = SharedSegment.create(session, world_size, self._capacity)
+        direct_capacity = align_up(direct_capacity, 4096)
+        if pinned is not None:
+            self._seg, hbase = pinned.seg.view(rank), pinned.device_base
         else:
-            self._seg = SharedSegment.attach(session, rank, world_size, self._capacity, init_timeout_s)
-        try:
-            self._drv.host_register(self._seg.address, self._seg.size)
-            self._registered = True
-            self._hbase = self._drv.device_pointer(self._seg.address)
-            self._hdata = self._hbase + self._seg.data_offset
-            self._seg.host_barrier(init_timeout_s, "segment attach")
+            session = self._agree_session(group_id, cpu_group)
             if rank == 0:
+                self._seg = SharedSegment.create(session, world_size, self._capacity, direct_capacity)
+            else:
+                self._seg = SharedSegment.attach(session, rank, world_size, self._capacity,
+                                                 init_timeout_s, direct_capacity=direct_capacity)
+        try:
+            if pinned is None:
+                self._drv.host_register(self._seg.address, self._seg.size)
+                self._registered = True
+                hbase = self._drv.device_pointer(self._seg.address)
+            self._seg.host_barrier(init_timeout_s, "segment attach")
+            if rank == 0 and pinned is None:
                 self._seg.unlink()  # everyone holds a mapping: no name can outlive the group now
-            self._stage = torch.empty(self._seg.size - self._seg.data_offset, dtype=torch.uint8,
-                                      device=self.device)
-            self._sdata = self._stage.data_ptr()
-            tick_host = kernels.MappedPtr(self._hbase + self._seg.progress_offset(rank), torch.int32)
-            self._progress = kernels.Progress(torch.zeros(1, dtype=torch.int32, device=self.device),
-                                              tick_host)
-            self._barriers = [self._barrier_ops(b) for b in range(BARRIERS)]
-            self._arrivals, self._awaits = self._piece_ops()
-            self._d2h = torch.cuda.Stream(self.device)  # the pipelined paths' device-to-host stream
-            self.d2h_stream = self._d2h.cuda_stream
-            self._events = [self._drv.event_create() for _ in range(pipeline.EV_PIECE0 + MAX_PIECES)]
-            self._selftest_memops()
-            self.copy_engines = copy_engines or self._calibrated_engines(init_timeout_s)
+            self.staging = self._make_staging(hbase, direct_capacity)
+            self.sync = self._make_sync(hbase)
+            self._events = [self._drv.event_create() for _ in range(2 + MAX_PIECES)]
+            self.side = _Side(self._drv, torch.cuda.Stream(self.device).cuda_stream, self._events)
+            self._selftest_memops(hbase)
+            engines = copy_engines or self._calibrated_engines(init_timeout_s)
+            self.options = PathOptions(
+                engines=engines, one_shot_max_bytes=one_shot_max_bytes,
+                piece_bytes=default_piece_bytes() if piece_bytes is None else piece_bytes,
+                direct=replace(direct or DEFAULT_DIRECT, capacity=direct_capacity),
+                int8_group=int8_group)
             self._seg.host_barrier(init_timeout_s, "start-up")
         except BaseException:
             self._teardown()
@@ -174,6 +190,10 @@ class HostStagedCommunicator:
         self._watchdog = Watchdog(self._seg, self.timeout_s, on_error=on_error)
         self._watchdog.start()
         self.disabled = False
+
+    @property
+    def copy_engines(self) -> CopyEngines:
+        return self.options.engines
 
     # ---- public API ---------------------------------------------------------------------------
     def all_reduce(self, tensor, *, out=None, int8: bool | None = None):
@@ -184,22 +204,13 @@ class HostStagedCommunicator:
             out = x
         elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
             raise CollectiveError("all_reduce: `out` must be a contiguous tensor like the input")
-        plan = self.plan("all_reduce", x, int8)
-        self._note(plan)
         stream = self._stream()
-        if plan.pieces:
-            if plan.int8:
-                pipeline.all_reduce_int8(self, x, out, plan, stream)
-            elif plan.algorithm == "two_shot":
-                pipeline.all_reduce_two_shot(self, x, out, plan, stream)
-            else:
-                pipeline.all_reduce_one_shot(self, x, out, plan, stream)
-        elif plan.int8:
-            datapath.all_reduce_int8(self, x, out, plan, stream)
-        elif plan.algorithm == "two_shot":
-            datapath.all_reduce_two_shot(self, x, out, plan, stream)
-        else:
-            datapath.all_reduce_one_shot(self, x, out, plan, stream)
+        flat_x, flat_out = x.view(-1), out.view(-1)
+        for lo, count in message_pieces(x.numel(), x.element_size(), self.max_bytes):
+            xs, outs = flat_x[lo:lo + count], flat_out[lo:lo + count]
+            plan = self.plan("all_reduce", xs, int8)
+            self._note(plan)
+            datapath.enqueue(plan, self.staging, self.sync, xs, outs, stream, self.side)
         return out
 
     def all_gather(self, tensor, dim: int = 0, *, int8: bool | None = None):
@@ -208,12 +219,20 @@ class HostStagedCommunicator:
 
         x = self._check(tensor)
         dim = dim + x.dim() if dim < 0 else dim
-        plan = self.plan("all_gather", x, int8)
-        self._note(plan)
-        flat = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
-        path = pipeline if plan.pieces else datapath
-        path.all_gather(self, x, flat, plan, self._stream())
-        stacked = flat.view(self.world_size, *x.shape)
+        n, stream = x.numel(), self._stream()
+        stacked = torch.empty((self.world_size, n), dtype=x.dtype, device=x.device)
+        pieces = message_pieces(n, x.element_size(), self.max_bytes)
+        flat_x = x.view(-1)
+        for lo, count in pieces:
+            xs = flat_x[lo:lo + count]
+            plan = self.plan("all_gather", xs, int8)
+            self._note(plan)
+            flat = stacked if len(pieces) == 1 else torch.empty(
+                (self.world_size, count), dtype=x.dtype, device=x.device)
+            datapath.enqueue(plan, self.staging, self.sync, xs, flat.view(-1), stream, self.side)
+            if len(pieces) > 1:
+                stacked[:, lo:lo + count].copy_(flat)
+        stacked = stacked.view(self.world_size, *x.shape)
         if dim == 0:
             return stacked.view(self.world_size * x.shape[0], *x.shape[1:]) if x.dim() else stacked
         shape = list(x.shape)
@@ -221,23 +240,16 @@ class HostStagedCommunicator:
         return stacked.movedim(0, dim).reshape(shape)
 
     def plan(self, op: str, tensor, int8: bool | None = None) -> CollectivePlan:
+        """The plan of one call of at most `max_bytes`."""
         nbytes = tensor.numel() * tensor.element_size()
         default = self._int8_override[-1] if self._int8_override else None
         want = use_int8(nbytes, int8 if int8 is not None else default, self.int8_min_bytes)
-        for piece_bytes in dict.fromkeys((self.piece_bytes, 0)):  # unpipelined if pieces overflow
-            if op == "all_reduce":
-                plan = plan_all_reduce(tensor.numel(), tensor.element_size(), self.world_size,
-                                       int8=want, group=self.int8_group,
-                                       one_shot_max_bytes=self.one_shot_max_bytes,
-                                       engines=self.copy_engines, piece_bytes=piece_bytes)
-            else:
-                plan = plan_all_gather(tensor.numel(), tensor.element_size(), self.world_size,
-                                       int8=want, group=self.int8_group, engines=self.copy_engines,
-                                       piece_bytes=piece_bytes)
-            if fits(plan, self._capacity):
-                return plan
-        raise CollectiveError(f"a {nbytes}-byte {op} exceeds this communicator's max_bytes "
-                              f"({self.max_bytes})", hint="create it with a larger max_bytes")
+        plan = plan_call(op, tensor.numel(), tensor.element_size(), self.world_size, want,
+                         self.options, self._capacity)
+        if plan is None:
+            raise CollectiveError(f"a {nbytes}-byte {op} exceeds this communicator's max_bytes "
+                                  f"({self.max_bytes})", hint="create it with a larger max_bytes")
+        return plan
 
     @contextlib.contextmanager
     def int8_payloads(self, enabled: bool | None) -> Iterator[None]:
@@ -265,6 +277,10 @@ class HostStagedCommunicator:
             raise type(err)(err.message, err.hint, rank=err.rank)
         if self._closed:
             raise CollectiveError("this communicator is closed")
+
+    def host_barrier(self, what: str, timeout_s: float = 60.0) -> None:
+        """Wait on the host until every rank got here (tests and benchmarks between phases)."""
+        self._seg.host_barrier(timeout_s, what)
 
     def close(self) -> None:
         if self._closed:
@@ -302,46 +318,31 @@ class HostStagedCommunicator:
         if torch.cuda.is_current_stream_capturing():
             self._captured.append(plan.key())
 
-    def barrier(self, b: int, stream: int) -> None:
-        ops, arr = self._barriers[b]
-        self._drv.run_memops(stream, ops, arr)
+    def _make_staging(self, hbase: int, direct_capacity: int) -> Staging:
+        import torch
 
-    def arrive(self, p: int, stream: int) -> None:
-        """Raise piece flag p for every peer (after the copies enqueued on `stream` before it)."""
-        ops, arr = self._arrivals[p]
-        self._drv.run_memops(stream, ops, arr)
+        seg, r = self._seg, self.rank
+        self._stage = torch.empty(seg.size - seg.data_offset, dtype=torch.uint8, device=self.device)
+        tick_host = kernels.MappedPtr(hbase + seg.progress_offset(r), torch.int32)
+        progress = kernels.Progress(torch.zeros(1, dtype=torch.int32, device=self.device), tick_host)
+        area = DirectArea(
+            slots=hbase + seg.direct_offset, capacity=direct_capacity,
+            flags=hbase + seg.direct_flag_offset(0, 0), abort=hbase + 4 * W_ABORT,
+            status=hbase + seg.status_offset(r), epoch_word=hbase + seg.direct_epoch_offset(r),
+            epochs=torch.zeros(DIRECT_PROGRAMS, dtype=torch.int32, device=self.device))
+        return Staging(rank=r, world=self.world_size, capacity=self._capacity,
+                       host=hbase + seg.data_offset, stage=self._stage.data_ptr(), progress=progress,
+                       copy=self._drv.memcpy_async, direct=area)
 
-    def await_flag(self, p: int, stream: int) -> None:
-        """Wait for piece flag p from every peer, and reset it."""
-        ops, arr = self._awaits[p]
-        self._drv.run_memops(stream, ops, arr)
+    def _make_sync(self, hbase: int) -> MemopSync:
+        seg = self._seg
+        return MemopSync(self.rank, self.world_size,
+                         lambda f, src, dst: hbase + seg.flag_offset(f, src, dst),
+                         hbase + seg.status_offset(self.rank),
+                         run=lambda stream, ops, arr: self._drv.run_memops(stream, ops, arr),
+                         prepare=memop_array)
 
-    def event(self, i: int) -> int:
-        return self._events[i]
-
-    def _piece_ops(self):
-        seg, h = self._seg, self._hbase
-
-        def flag(f, src, dst):
-            return h + seg.flag_offset(f, src, dst)
-
-        status = h + seg.status_offset(self.rank)
-        arrivals, awaits = [], []
-        for p in range(PIECE_FLAGS):
-            ops = arrive_memops(self.rank, self.world_size, BARRIERS + p, flag)
-            arrivals.append((ops, memop_array(ops)))
-            ops = await_memops(self.rank, self.world_size, BARRIERS + p, flag, status)
-            awaits.append((ops, memop_array(ops)))
-        return arrivals, awaits
-
-    def _barrier_ops(self, b: int):
-        seg, h = self._seg, self._hbase
-        ops = barrier_memops(self.rank, self.world_size, b,
-                             lambda bb, src, dst: h + seg.flag_offset(bb, src, dst),
-                             h + seg.status_offset(self.rank))
-        return ops, memop_array(ops)
-
-    def _selftest_memops(self) -> None:
+    def _selftest_memops(self, hbase: int) -> None:
         """Write, wait and write again on a spare word; fall back from batched to single memory
         operations if the batch misbehaves, and fail loudly if neither works."""
         import time
@@ -349,7 +350,7 @@ class HostStagedCommunicator:
         import torch
 
         off = self._seg.status_offset(self.rank) + 32
-        addr = self._hbase + off
+        addr = hbase + off
         ops = [MemOp("write", addr, 7), MemOp("wait", addr, 7), MemOp("write", addr, 9)]
         stream = torch.cuda.current_stream(self.device)
         for mode in dict.fromkeys((self._drv.memop_mode, "single")):
@@ -426,7 +427,7 @@ class HostStagedCommunicator:
             except CollectiveError:
                 pass
             self._registered = False
-        if self.rank == 0:
+        if self.rank == 0 and self._owns_segment:
             seg.unlink()
         seg.close()
         self._stage = None

@@ -9,6 +9,9 @@ INT8 records (`plan.Int8Layout`) are passed twice, as int8 and as fp32 views of 
 Determinism: every sum runs over ranks 0..world-1 in order, in fp32, in one kernel whose code does
 not depend on the rank (the rank is a runtime argument), so every rank's result is bitwise equal.
 
+Rank-dependent integers are not specialized on (`do_not_specialize`): every rank runs the same
+compiled kernel, compiled once per process rather than once per value class of the rank.
+
 Progress: with TICK, program (0, 0) bumps a device counter and stores it to the rank's host-mapped
 progress word; the watchdog reads that word to tell a slow collective from a stalled one.
 No kernel here uses shared memory beyond Triton's reduction scratch (a few KB), far under Ada's 99 KB.
@@ -41,6 +44,19 @@ class MappedPtr:
         return MappedPtr(self.address + nbytes, dtype or self.dtype)
 
 
+def at(t: torch.Tensor, elem_offset: int = 0) -> MappedPtr:
+    """Element `elem_offset` of tensor t, as a typed address."""
+    return MappedPtr(t.data_ptr() + elem_offset * t.element_size(), t.dtype)
+
+
+def i8(addr: int) -> MappedPtr:
+    return MappedPtr(addr, torch.int8)
+
+
+def f32(addr: int) -> MappedPtr:
+    return MappedPtr(addr, torch.float32)
+
+
 @triton.jit
 def _tick(tick_dev, tick_host, TICK: tl.constexpr):
     if TICK:
@@ -55,7 +71,7 @@ def _progress_kernel(tick_dev, tick_host):
     _tick(tick_dev, tick_host, True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["skip", "rec0"])
 def _copy_records_kernel(
     src, dst, n_valid, total, src_stride, dst_stride, skip, rec0, tick_dev, tick_host,
     TICK: tl.constexpr, BLOCK: tl.constexpr,
@@ -71,7 +87,7 @@ def _copy_records_kernel(
     _tick(tick_dev, tick_host, TICK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "world"])
 def _reduce_kernel(
     peer, own, out, out2, numel, slot_stride, rank, world, tick_dev, tick_host,
     WRITE2: tl.constexpr, TICK: tl.constexpr, BLOCK: tl.constexpr,
@@ -132,7 +148,7 @@ def _quantize_kernel(
     _tick(tick_dev, tick_host, TICK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_off", "rank", "world"])
 def _dequant_reduce_kernel(
     peer8, peer32, own8, own32, out, res8, res32, dup8, dup32,
     n_valid, chunk_elems, slot_stride, chunk_off, rank, world, tick_dev, tick_host,
@@ -169,7 +185,7 @@ def _dequant_reduce_kernel(
     _tick(tick_dev, tick_host, TICK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["skip", "rec0"])
 def _dequant_records_kernel(
     src8, src32, out, n_valid, total, rec_stride, out_stride, chunk_elems, skip, rec0,
     tick_dev, tick_host, TICK: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,

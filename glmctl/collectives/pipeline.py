@@ -31,107 +31,83 @@ Algorithms (layouts in `plan.py`), for rank r of n, piece p, slice s:
 from __future__ import annotations
 
 from glmctl.collectives import kernels
-from glmctl.collectives.datapath import _at, _f32, _i8
-from glmctl.collectives.kernels import MappedPtr
+from glmctl.collectives.kernels import MappedPtr, at, f32, i8
 from glmctl.collectives.plan import CollectivePlan
-
-EV_FORK, EV_JOIN, EV_PIECE0 = 0, 1, 2  # indices into the communicator's events
-
-
-def _fork(comm, stream: int) -> None:
-    comm._drv.event_record(comm.event(EV_FORK), stream)
-    comm._drv.stream_wait_event(comm.d2h_stream, comm.event(EV_FORK))
+from glmctl.collectives.staging import SideStream, Staging, Sync
 
 
-def _join(comm, stream: int) -> None:
-    comm._drv.event_record(comm.event(EV_JOIN), comm.d2h_stream)
-    comm._drv.stream_wait_event(stream, comm.event(EV_JOIN))
-
-
-def _signal(comm, p: int, src: int) -> None:
-    comm._drv.event_record(comm.event(EV_PIECE0 + p), src)
-
-
-def _after(comm, p: int, dst: int) -> None:
-    comm._drv.stream_wait_event(dst, comm.event(EV_PIECE0 + p))
-
-
-def _peers(comm):
-    return [j for j in range(comm.world_size) if j != comm.rank]
-
-
-def _pull(comm, plan: CollectivePlan, offset: int, nbytes: int, stream: int) -> None:
+def _pull(st, plan: CollectivePlan, offset: int, nbytes: int, stream: int) -> None:
     """Peers' bytes [offset, offset+nbytes) of their slots, host -> the same place in the stage."""
     a = plan.slot_stride
-    for j in _peers(comm):
-        comm._drv.memcpy_async(comm._sdata + j * a + offset, comm._hdata + j * a + offset, nbytes,
+    for j in st.peers:
+        st.copy(st.stage + j * a + offset, st.host + j * a + offset, nbytes,
                                stream)
 
 
-def all_reduce_one_shot(comm, x, out, plan: CollectivePlan, stream: int) -> None:
-    r, n, a, eb, drv, A = comm.rank, comm.world_size, plan.slot_stride, plan.elem_bytes, comm._drv, \
-        comm.d2h_stream
-    comm.barrier(0, stream)
-    _fork(comm, stream)
+def all_reduce_one_shot(st: Staging, sync: Sync, side: SideStream, x, out, plan: CollectivePlan,
+                        stream: int) -> None:
+    r, n, a, eb, A = st.rank, st.world, plan.slot_stride, plan.elem_bytes, side.stream
+    sync.barrier(0, stream)
+    side.fork(stream)
     for p in range(plan.pieces):
         lo, count = plan.chunk_span(p)
-        drv.memcpy_async(comm._hdata + r * a + lo * eb, x.data_ptr() + lo * eb, count * eb, A)
-        comm.arrive(p, A)
-        _signal(comm, p, A)
+        st.copy(st.host + r * a + lo * eb, x.data_ptr() + lo * eb, count * eb, A)
+        sync.arrive(p, A)
+        side.signal(p, A)
     for p in range(plan.pieces):
         lo, count = plan.chunk_span(p)
-        comm.await_flag(p, stream)
-        _pull(comm, plan, lo * eb, count * eb, stream)
-        _after(comm, p, stream)
-        kernels.reduce_slots(MappedPtr(comm._sdata + lo * eb, x.dtype), _at(x, lo), _at(out, lo),
+        sync.await_flag(p, stream)
+        _pull(st, plan, lo * eb, count * eb, stream)
+        side.after(p, stream)
+        kernels.reduce_slots(MappedPtr(st.stage + lo * eb, x.dtype), at(x, lo), at(out, lo),
                              numel=count, slot_stride=a // eb, rank=r, world=n,
-                             progress=comm._progress, tick=p == plan.pieces - 1)
-    _join(comm, stream)
+                             progress=st.progress, tick=p == plan.pieces - 1)
+    side.join(stream)
 
 
-def all_reduce_two_shot(comm, x, out, plan: CollectivePlan, stream: int) -> None:
-    r, n, a, eb, drv, A = comm.rank, comm.world_size, plan.slot_stride, plan.elem_bytes, comm._drv, \
-        comm.d2h_stream
+def all_reduce_two_shot(st: Staging, sync: Sync, side: SideStream, x, out, plan: CollectivePlan,
+                        stream: int) -> None:
+    r, n, a, eb, A = st.rank, st.world, plan.slot_stride, plan.elem_bytes, side.stream
     k = plan.pieces
-    res_host = comm._hdata + n * comm._capacity
+    res_host = st.host + n * st.capacity
 
     def send_slice(s):  # A: the slice minus the own region, into the own host slot
         lo, count = plan.slice_span(s)
         rlo, rcount = plan.chunk_span(s * n + r)
         rlo, rhi = min(max(rlo, lo), lo + count), min(rlo + rcount, lo + count)
-        base = comm._hdata + r * a
-        drv.memcpy_async(base + lo * eb, x.data_ptr() + lo * eb, (rlo - lo) * eb, A)
-        drv.memcpy_async(base + rhi * eb, x.data_ptr() + rhi * eb, (lo + count - rhi) * eb, A)
-        comm.arrive(s, A)
+        base = st.host + r * a
+        st.copy(base + lo * eb, x.data_ptr() + lo * eb, (rlo - lo) * eb, A)
+        st.copy(base + rhi * eb, x.data_ptr() + rhi * eb, (lo + count - rhi) * eb, A)
+        sync.arrive(s, A)
 
     def reduce_slice(s):  # B
         rlo, rcount = plan.chunk_span(s * n + r)
-        comm.await_flag(s, stream)
-        _pull(comm, plan, rlo * eb, rcount * eb, stream)
-        kernels.reduce_slots(MappedPtr(comm._sdata + rlo * eb, x.dtype), _at(x, rlo), _at(out, rlo),
+        sync.await_flag(s, stream)
+        _pull(st, plan, rlo * eb, rcount * eb, stream)
+        kernels.reduce_slots(MappedPtr(st.stage + rlo * eb, x.dtype), at(x, rlo), at(out, rlo),
                              numel=rcount, slot_stride=a // eb, rank=r, world=n)
-        _signal(comm, s, stream)
+        side.signal(s, stream)
 
     def send_result(s):  # A, once B reduced region r of slice s
         rlo, rcount = plan.chunk_span(s * n + r)
-        _after(comm, s, A)
-        drv.memcpy_async(res_host + rlo * eb, out.data_ptr() + rlo * eb, rcount * eb, A)
-        comm.arrive(k + s, A)
+        side.after(s, A)
+        st.copy(res_host + rlo * eb, out.data_ptr() + rlo * eb, rcount * eb, A)
+        sync.arrive(k + s, A)
 
     def gather_slice(s):  # B: the other owners' results of slice s, into out
         lo, count = plan.slice_span(s)
         rlo, rcount = plan.chunk_span(s * n + r)
         rlo, rhi = min(max(rlo, lo), lo + count), min(rlo + rcount, lo + count)
-        comm.await_flag(k + s, stream)
-        drv.memcpy_async(out.data_ptr() + lo * eb, res_host + lo * eb, (rlo - lo) * eb, stream)
-        drv.memcpy_async(out.data_ptr() + rhi * eb, res_host + rhi * eb, (lo + count - rhi) * eb,
+        sync.await_flag(k + s, stream)
+        st.copy(out.data_ptr() + lo * eb, res_host + lo * eb, (rlo - lo) * eb, stream)
+        st.copy(out.data_ptr() + rhi * eb, res_host + rhi * eb, (lo + count - rhi) * eb,
                          stream)
 
-    comm.barrier(0, stream)
-    _fork(comm, stream)
+    sync.barrier(0, stream)
+    side.fork(stream)
     _skewed(k, send_slice, reduce_slice, send_result, gather_slice)
-    kernels.bump_progress(comm._progress)
-    _join(comm, stream)
+    kernels.bump_progress(st.progress)
+    side.join(stream)
 
 
 def _skewed(k: int, send_slice, reduce_slice, send_result, gather_slice, last_gather=None) -> None:
@@ -148,112 +124,113 @@ def _skewed(k: int, send_slice, reduce_slice, send_result, gather_slice, last_ga
     (last_gather or gather_slice)(k - 1)
 
 
-def _quantize_all(comm, x, plan: CollectivePlan) -> int:
+def _quantize_all(st, x, plan: CollectivePlan) -> int:
     """Every record of x into the own stage slot (on the caller's stream); returns its address."""
-    own = comm._sdata + comm.rank * plan.slot_stride
-    kernels.quantize(x, plan.numel, _i8(own), _f32(own), plan.layout)
+    own = st.stage + st.rank * plan.slot_stride
+    kernels.quantize(x, plan.numel, i8(own), f32(own), plan.layout)
     return own
 
 
-def all_reduce_int8(comm, x, out, plan: CollectivePlan, stream: int) -> None:
-    r, n, a, drv, A = comm.rank, comm.world_size, plan.slot_stride, comm._drv, comm.d2h_stream
+def all_reduce_int8(st: Staging, sync: Sync, side: SideStream, x, out, plan: CollectivePlan,
+                        stream: int) -> None:
+    r, n, a, A = st.rank, st.world, plan.slot_stride, side.stream
     layout, k = plan.layout, plan.pieces
     rec, ce = layout.record_bytes, layout.chunk_elems
-    comm.barrier(0, stream)
-    own = _quantize_all(comm, x, plan)
-    _fork(comm, stream)
-    host = comm._hdata + r * a
+    sync.barrier(0, stream)
+    own = _quantize_all(st, x, plan)
+    side.fork(stream)
+    host = st.host + r * a
     if plan.algorithm == "one_shot":
         for p in range(k):
-            drv.memcpy_async(host + p * rec, own + p * rec, rec, A)
-            comm.arrive(p, A)
+            st.copy(host + p * rec, own + p * rec, rec, A)
+            sync.arrive(p, A)
         for p in range(k):
-            comm.await_flag(p, stream)
-            _pull(comm, plan, p * rec, rec, stream)
-            kernels.dequant_reduce(_i8(comm._sdata), _f32(comm._sdata), _i8(own), _f32(own),
-                                   _at(out, p * ce), layout, n_valid=plan.chunk_span(p)[1],
+            sync.await_flag(p, stream)
+            _pull(st, plan, p * rec, rec, stream)
+            kernels.dequant_reduce(i8(st.stage), f32(st.stage), i8(own), f32(own),
+                                   at(out, p * ce), layout, n_valid=plan.chunk_span(p)[1],
                                    slot_stride=a, chunk_off=p * rec, rank=r, world=n,
-                                   progress=comm._progress, tick=p == k - 1)
-        _join(comm, stream)
+                                   progress=st.progress, tick=p == k - 1)
+        side.join(stream)
         return
-    res_stage = comm._sdata + n * comm._capacity
-    res_host = comm._hdata + n * comm._capacity
+    res_stage = st.stage + n * st.capacity
+    res_host = st.host + n * st.capacity
 
     def send_slice(s):
         first = s * n
-        drv.memcpy_async(host + first * rec, own + first * rec, r * rec, A)
-        drv.memcpy_async(host + (first + r + 1) * rec, own + (first + r + 1) * rec,
+        st.copy(host + first * rec, own + first * rec, r * rec, A)
+        st.copy(host + (first + r + 1) * rec, own + (first + r + 1) * rec,
                          (n - 1 - r) * rec, A)
-        comm.arrive(s, A)
+        sync.arrive(s, A)
 
     def reduce_slice(s):
         c = s * n + r
-        comm.await_flag(s, stream)
-        _pull(comm, plan, c * rec, rec, stream)
-        kernels.dequant_reduce(_i8(comm._sdata), _f32(comm._sdata), _i8(own), _f32(own),
-                               _at(out, c * ce), layout, n_valid=plan.chunk_span(c)[1],
+        sync.await_flag(s, stream)
+        _pull(st, plan, c * rec, rec, stream)
+        kernels.dequant_reduce(i8(st.stage), f32(st.stage), i8(own), f32(own),
+                               at(out, c * ce), layout, n_valid=plan.chunk_span(c)[1],
                                slot_stride=a, chunk_off=c * rec, rank=r, world=n,
-                               res8=_i8(res_stage + c * rec), res32=_f32(res_stage + c * rec))
-        _signal(comm, s, stream)
+                               res8=i8(res_stage + c * rec), res32=f32(res_stage + c * rec))
+        side.signal(s, stream)
 
     def send_result(s):
         c = s * n + r
-        _after(comm, s, A)
-        drv.memcpy_async(res_host + c * rec, res_stage + c * rec, rec, A)
-        comm.arrive(k + s, A)
+        side.after(s, A)
+        st.copy(res_host + c * rec, res_stage + c * rec, rec, A)
+        sync.arrive(k + s, A)
 
     def gather_slice(s, tick=False):
         first = s * n
-        comm.await_flag(k + s, stream)
-        drv.memcpy_async(res_stage + first * rec, res_host + first * rec, r * rec, stream)
-        drv.memcpy_async(res_stage + (first + r + 1) * rec, res_host + (first + r + 1) * rec,
+        sync.await_flag(k + s, stream)
+        st.copy(res_stage + first * rec, res_host + first * rec, r * rec, stream)
+        st.copy(res_stage + (first + r + 1) * rec, res_host + (first + r + 1) * rec,
                          (n - 1 - r) * rec, stream)
         src = res_stage + first * rec
-        kernels.dequant_records(_i8(src), _f32(src), _at(out, first * ce), layout, n_valid=ce,
+        kernels.dequant_records(i8(src), f32(src), at(out, first * ce), layout, n_valid=ce,
                                 total=plan.numel - first * ce, records=n, rec_stride=rec,
-                                out_stride=ce, skip=r, progress=comm._progress, tick=tick)
+                                out_stride=ce, skip=r, progress=st.progress, tick=tick)
 
     _skewed(k, send_slice, reduce_slice, send_result, gather_slice,
             last_gather=lambda s: gather_slice(s, tick=True))
-    _join(comm, stream)
+    side.join(stream)
 
 
-def all_gather(comm, x, flat, plan: CollectivePlan, stream: int) -> None:
+def all_gather(st: Staging, sync: Sync, side: SideStream, x, flat, plan: CollectivePlan,
+               stream: int) -> None:
     """flat[j * numel:(j + 1) * numel] = rank j's message."""
-    r, n, m, a, drv, A = comm.rank, comm.world_size, plan.numel, plan.slot_stride, comm._drv, \
-        comm.d2h_stream
+    r, n, m, a, A = st.rank, st.world, plan.numel, plan.slot_stride, side.stream
     k, eb = plan.pieces, plan.elem_bytes
-    host = comm._hdata + r * a
-    comm.barrier(0, stream)
+    host = st.host + r * a
+    sync.barrier(0, stream)
     if plan.int8:
         layout = plan.layout
         rec, ce = layout.record_bytes, layout.chunk_elems
-        own = _quantize_all(comm, x, plan)
-        _fork(comm, stream)
+        own = _quantize_all(st, x, plan)
+        side.fork(stream)
         for p in range(k):
-            drv.memcpy_async(host + p * rec, own + p * rec, rec, A)
-            comm.arrive(p, A)
+            st.copy(host + p * rec, own + p * rec, rec, A)
+            sync.arrive(p, A)
         for p in range(k):
-            comm.await_flag(p, stream)
-            _pull(comm, plan, p * rec, rec, stream)
-            src = comm._sdata + p * rec
-            kernels.dequant_records(_i8(src), _f32(src), _at(flat, p * ce), layout,
+            sync.await_flag(p, stream)
+            _pull(st, plan, p * rec, rec, stream)
+            src = st.stage + p * rec
+            kernels.dequant_records(i8(src), f32(src), at(flat, p * ce), layout,
                                     n_valid=plan.chunk_span(p)[1], total=n * m - p * ce,
                                     records=n, rec_stride=a, out_stride=m,
-                                    progress=comm._progress, tick=p == k - 1)
-        _join(comm, stream)
+                                    progress=st.progress, tick=p == k - 1)
+        side.join(stream)
         return
-    drv.memcpy_async(flat.data_ptr() + r * m * eb, x.data_ptr(), m * eb, stream)
-    _fork(comm, stream)
+    st.copy(flat.data_ptr() + r * m * eb, x.data_ptr(), m * eb, stream)
+    side.fork(stream)
     for p in range(k):
         lo, count = plan.chunk_span(p)
-        drv.memcpy_async(host + lo * eb, x.data_ptr() + lo * eb, count * eb, A)
-        comm.arrive(p, A)
+        st.copy(host + lo * eb, x.data_ptr() + lo * eb, count * eb, A)
+        sync.arrive(p, A)
     for p in range(k):
         lo, count = plan.chunk_span(p)
-        comm.await_flag(p, stream)
-        for j in _peers(comm):
-            drv.memcpy_async(flat.data_ptr() + (j * m + lo) * eb, comm._hdata + j * a + lo * eb,
+        sync.await_flag(p, stream)
+        for j in st.peers:
+            st.copy(flat.data_ptr() + (j * m + lo) * eb, st.host + j * a + lo * eb,
                              count * eb, stream)
-    kernels.bump_progress(comm._progress)
-    _join(comm, stream)
+    kernels.bump_progress(st.progress)
+    side.join(stream)

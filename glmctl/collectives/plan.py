@@ -19,6 +19,11 @@ The device keeps a mirror of the data and result areas (the "stage") with the sa
 kernel reads peers' slots from host memory (SM path) or from the stage after a copy-engine copy
 (CE path) with the same arguments.
 
+Direct plans (`direct`, `direct_ll`; `direct.py`): slot j of parity q at `(q * world + j) *
+slot_stride` of the segment's direct area, `slot_stride` being that area's fixed slot capacity;
+the message starts at offset 0 of its slot, natively or as LL words (4 payload bytes + 4 epoch
+bytes each).
+
 Pipelined plans (`pieces` > 0; copy engine both ways, `pipeline.py`): the message is cut into
 `pieces` consecutive pieces of `chunk_elems` elements (one-shot, all-gather; INT8: one record per
 piece), or for two-shot into `pieces` slices of `world` regions of `chunk_elems` each, region q of
@@ -30,7 +35,7 @@ depend on `pieces`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 ALIGN = 256
@@ -47,7 +52,7 @@ MAX_PIECES = 16
 
 Engine = Literal["ce", "sm"]
 Op = Literal["all_reduce", "all_gather"]
-Algorithm = Literal["one_shot", "two_shot", "gather"]
+Algorithm = Literal["one_shot", "two_shot", "gather", "direct", "direct_ll"]
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -78,6 +83,24 @@ class CopyEngines:
 
     def h2d(self, nbytes: int) -> Engine:
         return self.h2d_small if nbytes <= self.band_bytes else self.h2d_large
+
+
+@dataclass(frozen=True)
+class DirectLimits:
+    """Which small messages take the direct path (one kernel that polls flags itself): LL words up
+    to `ll_max_bytes`, native payload with a flag line up to `flag_max_bytes` (0: never); both
+    within `capacity`, the direct area's slot (LL needs twice the message)."""
+
+    ll_max_bytes: int = 0
+    flag_max_bytes: int = 0
+    capacity: int = 0
+
+    def algorithm(self, nbytes: int) -> Algorithm | None:
+        if nbytes <= self.ll_max_bytes and 2 * align_up(nbytes, 4) <= self.capacity:
+            return "direct_ll"
+        if nbytes <= self.flag_max_bytes and nbytes <= self.capacity:
+            return "direct"
+        return None
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,7 @@ class CollectivePlan:
 
     @property
     def barriers(self) -> int:
-        return 3 if self.algorithm == "two_shot" else 2
+        return {"two_shot": 3, "direct": 0, "direct_ll": 0}.get(self.algorithm, 2)
 
     @property
     def result_bytes(self) -> int:
@@ -155,6 +178,9 @@ class CollectivePlan:
     def bytes_moved(self) -> tuple[int, int]:
         """(device-to-host, host-to-device) bytes rank 0 moves over its link in this call."""
         n = self.world
+        if self.algorithm in ("direct", "direct_ll"):
+            wire = 2 * align_up(self.nbytes, 4) if self.algorithm == "direct_ll" else self.nbytes
+            return wire, (n - 1) * wire
         if self.layout is not None:
             rec = self.layout.record_bytes
             if self.algorithm == "two_shot":
@@ -191,13 +217,17 @@ def plan_all_reduce(
     one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
     engines: CopyEngines = CopyEngines(),
     piece_bytes: int = DEFAULT_PIECE_BYTES,
+    direct: DirectLimits = DirectLimits(),
 ) -> CollectivePlan:
-    """One-shot (every rank reads every slot and reduces all of it) while the message is small or
-    there are only two ranks (two-shot moves the same bytes then, with one more barrier); above
-    that, reduce-scatter + all-gather, which reads 2(n-1)/n of the message instead of n-1.
-    Pipelined when both directions use the copy engine and the payload is at least `piece_bytes`
-    (0: never)."""
+    """The direct path for messages within `direct`'s limits (never INT8); else one-shot (every
+    rank reads every slot and reduces all of it) while the message is small or there are only two
+    ranks (two-shot moves the same bytes then, with one more barrier); above that, reduce-scatter
+    + all-gather, which reads 2(n-1)/n of the message instead of n-1. Pipelined when both
+    directions use the copy engine and the payload is at least `piece_bytes` (0: never)."""
     nbytes = numel * elem_bytes
+    small = None if int8 else direct.algorithm(nbytes)
+    if small is not None:
+        return _direct_plan("all_reduce", small, numel, elem_bytes, world, direct.capacity)
     two_shot = world > 2 and nbytes > one_shot_max_bytes
     chunks = world if two_shot else 1
     if int8:
@@ -258,7 +288,11 @@ def plan_all_gather(
     group: int = DEFAULT_GROUP,
     engines: CopyEngines = CopyEngines(),
     piece_bytes: int = DEFAULT_PIECE_BYTES,
+    direct: DirectLimits = DirectLimits(),
 ) -> CollectivePlan:
+    small = None if int8 else direct.algorithm(numel * elem_bytes)
+    if small is not None:
+        return _direct_plan("all_gather", small, numel, elem_bytes, world, direct.capacity)
     layout = int8_layout(numel, 1, group) if int8 else None
     payload = layout.total_bytes if layout else numel * elem_bytes
     d2h, h2d = engines.d2h(payload), engines.h2d(payload * (world - 1))
@@ -288,6 +322,13 @@ def plan_all_gather(
     )
 
 
+def _direct_plan(op: Op, algorithm: Algorithm, numel: int, elem_bytes: int, world: int,
+                 capacity: int) -> CollectivePlan:
+    return CollectivePlan(op=op, algorithm=algorithm, int8=False, world=world, numel=numel,
+                          elem_bytes=elem_bytes, slot_stride=capacity, chunk_elems=numel,
+                          result_stride=0, layout=None, d2h="sm", h2d="sm")
+
+
 def slot_capacity(max_bytes: int, world: int, group: int = DEFAULT_GROUP) -> int:
     """Bytes per rank slot (and for the result area) that fit every plan of a message of up to
     `max_bytes`: native payloads are the message itself; INT8 records of 2-byte elements are about
@@ -297,11 +338,46 @@ def slot_capacity(max_bytes: int, world: int, group: int = DEFAULT_GROUP) -> int
 
 
 def fits(plan: CollectivePlan, capacity: int) -> bool:
+    if plan.algorithm in ("direct", "direct_ll"):
+        return True  # planned within the direct area's own capacity
     return plan.slot_stride <= capacity and plan.result_bytes <= capacity
 
 
-def with_engines(plan: CollectivePlan, d2h: Engine, h2d: Engine) -> CollectivePlan:
-    return replace(plan, d2h=d2h, h2d=h2d)
+@dataclass(frozen=True)
+class PathOptions:
+    """A communicator's choices of data path, the same on every rank (they decide the flag
+    sequences): copy engines, the one-shot/two-shot switch, pipelining, the direct path."""
+
+    engines: CopyEngines = CopyEngines()
+    one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES
+    piece_bytes: int = 0
+    direct: DirectLimits = DirectLimits()
+    int8_group: int = DEFAULT_GROUP
+
+
+def plan_call(op: Op, numel: int, elem_bytes: int, world: int, int8: bool, options: PathOptions,
+              capacity: int) -> CollectivePlan | None:
+    """The plan of one call that fits slots of `capacity` bytes (pipelined if asked and its pieces
+    fit, else unpipelined), or None when the message is too large for them."""
+    for piece_bytes in dict.fromkeys((options.piece_bytes, 0)):
+        kw = dict(int8=int8, group=options.int8_group, engines=options.engines,
+                  piece_bytes=piece_bytes, direct=options.direct)
+        if op == "all_reduce":
+            plan = plan_all_reduce(numel, elem_bytes, world,
+                                   one_shot_max_bytes=options.one_shot_max_bytes, **kw)
+        else:
+            plan = plan_all_gather(numel, elem_bytes, world, **kw)
+        if fits(plan, capacity):
+            return plan
+    return None
+
+
+def message_pieces(numel: int, elem_bytes: int, max_bytes: int) -> list[tuple[int, int]]:
+    """(first element, count) of the calls a message of `numel` elements goes in when it exceeds
+    a communicator's `max_bytes`: pieces of the largest multiple of 128 elements (so each starts
+    on a 256-byte boundary) that fits, the last one shorter. The same on every rank."""
+    step = max(128, (max_bytes // elem_bytes) // 128 * 128)
+    return [(lo, min(step, numel - lo)) for lo in range(0, numel, step)]
 
 
 def use_int8(nbytes: int, requested: bool | None, min_bytes: int | None) -> bool:

@@ -25,6 +25,8 @@ def time_collectives(rank: int, world: int, session: str, sizes: list[int],
     import torch
 
     torch.cuda.set_device(0 if shared_gpu else rank)
+    from dataclasses import replace
+
     from glmctl.collectives.communicator import HostStagedCommunicator
 
     comm = HostStagedCommunicator(rank, world, session, max(sizes), timeout_s=60)
@@ -32,11 +34,12 @@ def time_collectives(rank: int, world: int, session: str, sizes: list[int],
     if piece_sweep is not None:
         cases += [(op, False, size, pb) for op in ("all_reduce", "all_gather")
                   for size in piece_sweep[0] for pb in piece_sweep[1]]
-    default_pieces = comm.piece_bytes
+    defaults = comm.options
     rows = []
     try:
         for op, int8, size, piece_bytes in cases:
-            comm.piece_bytes = default_pieces if piece_bytes is None else piece_bytes
+            comm.options = replace(defaults, piece_bytes=defaults.piece_bytes if piece_bytes is None
+                                   else piece_bytes)
             rows.append(_time_case(comm, rank, op, int8, size, world))
             torch.cuda.empty_cache()  # the case's tensors are gone with its frame
             if piece_bytes is not None:
@@ -70,7 +73,7 @@ def _time_case(comm, rank: int, op: str, int8: bool, size: int, world: int) -> d
         call()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    comm._seg.host_barrier(60, "timing case start")
+    comm.host_barrier("timing case start")
     with comm.capture():
         us = graph_time_us(call, calls, replays)
     row = {"op": op, "int8": int8, "size": size, "us": us, "algorithm": plan.algorithm,

@@ -20,10 +20,15 @@ interleaving a random scheduler finds, with each stream's writes delivered late 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from glmctl.collectives.cuda_driver import MemOp
+from glmctl.collectives.segment import BARRIERS, PIECE_FLAGS
 
 Flag = Callable[[int, int, int], int]  # flag(f, src, dst) -> address
+# run(stream, ops, prepared): enqueue ops in order on the stream; `prepared` is what `prepare(ops)`
+# returned for them once (the driver's ctypes batch), or None
+RunMemops = Callable[[int, list[MemOp], Any], None]
 
 
 def arrive_memops(rank: int, world: int, f: int, flag: Flag) -> list[MemOp]:
@@ -42,6 +47,33 @@ def await_memops(rank: int, world: int, f: int, flag: Flag, status: int) -> list
 def barrier_memops(rank: int, world: int, b: int, flag: Flag, status: int) -> list[MemOp]:
     """`flag(b, src, dst)` is the device address of that flag; `status` of this rank's status word."""
     return arrive_memops(rank, world, b, flag) + await_memops(rank, world, b, flag, status)
+
+
+class MemopSync:
+    """`staging.Sync` as stream memory operations: every barrier, arrival and await of this rank
+    prepared once at start-up (the addresses never change), enqueued by `run`."""
+
+    def __init__(self, rank: int, world: int, flag: Flag, status: int, run: RunMemops,
+                 prepare: Callable[[list[MemOp]], Any] = lambda ops: None) -> None:
+        self._run = run
+
+        def prep(ops):
+            return ops, prepare(ops)
+
+        self._barriers = [prep(barrier_memops(rank, world, b, flag, status)) for b in range(BARRIERS)]
+        self._arrivals = [prep(arrive_memops(rank, world, BARRIERS + p, flag))
+                          for p in range(PIECE_FLAGS)]
+        self._awaits = [prep(await_memops(rank, world, BARRIERS + p, flag, status))
+                        for p in range(PIECE_FLAGS)]
+
+    def barrier(self, b: int, stream: int) -> None:
+        self._run(stream, *self._barriers[b])
+
+    def arrive(self, p: int, stream: int) -> None:
+        self._run(stream, *self._arrivals[p])
+
+    def await_flag(self, p: int, stream: int) -> None:
+        self._run(stream, *self._awaits[p])
 
 
 def waiting_flag(status: int) -> int | None:

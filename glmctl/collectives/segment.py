@@ -10,11 +10,16 @@ creator removes every `glmctl-coll-*-<pid>` whose creator process is gone (`swee
 Layout (bytes):
     0       header words (uint32): identity, abort word, per-rank host blocks (pid, state, barrier
             generation, capture count and digest)
-    8192    GPU-written words, one 128-byte line per rank: status (+0) and progress (+64)
+    8192    GPU-written words, one 128-byte line per rank: status (+0), the direct path's epoch
+            (+8) and progress (+64)
     16384   flags, one 64-byte line per (flag, source rank, destination rank): the BARRIERS
             barrier flags, then the PIECE_FLAGS per-piece arrival flags of the pipelined paths
+    D       direct-path flags (D = `direct_flags_offset(world)`): one 64-byte line per (program,
+            destination rank), word j of it written by source rank j (a reader polls one line)
     H       data area (H = `header_bytes(world)`, a multiple of 64 KiB): world slots of `capacity`
     ...     result area: `capacity` bytes
+    ...     direct area: 2 parities x world slots of `direct_capacity` bytes (the direct path's
+            payloads; its own region, so it never races the barrier paths' slots)
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ import numpy as np
 from glmctl.collectives.errors import PeerLostError, SegmentError
 
 MAGIC = 0x474C4D43_4F4C4C31  # "GLMCOLL1"
-VERSION = 2  # 2: per-piece flags after the barrier flags; the data area moved with world size
+VERSION = 3  # 3: direct-path flag lines and payload area
 MAX_WORLD = 16
 BARRIERS = 3
 MAX_PIECES = 16  # pieces (slices) of one pipelined call; two-shot uses two flags per slice
 PIECE_FLAGS = 2 * MAX_PIECES
 FLAGS = BARRIERS + PIECE_FLAGS  # flag ids: barriers 0..BARRIERS-1, then piece flag p at BARRIERS + p
+DIRECT = FLAGS  # the id the status word uses while a direct-path kernel waits (it has no memop flag)
+DIRECT_PROGRAMS = 16  # programs (CTAs) of every direct-path kernel: each polls its own flag line
 GPU_WORDS_OFFSET = 8192
 FLAGS_OFFSET = 16384
 HEADER_ALIGN = 65536
@@ -97,22 +104,28 @@ def sweep_stale(directory: Path | None = None) -> list[str]:
     return removed
 
 
+def direct_flags_offset(world: int) -> int:
+    return FLAGS_OFFSET + FLAGS * world * world * 64
+
+
 def header_bytes(world: int) -> int:
-    flags_end = FLAGS_OFFSET + FLAGS * world * world * 64
+    flags_end = direct_flags_offset(world) + DIRECT_PROGRAMS * world * 64
     return -(-flags_end // HEADER_ALIGN) * HEADER_ALIGN
 
 
-def segment_bytes(world: int, capacity: int) -> int:
-    return header_bytes(world) + (world + 1) * capacity
+def segment_bytes(world: int, capacity: int, direct_capacity: int = 0) -> int:
+    return header_bytes(world) + (world + 1) * capacity + 2 * world * direct_capacity
 
 
 class SharedSegment:
     """One mapping of the segment. CPU-side access to header words; offsets for the GPU side."""
 
-    def __init__(self, path: Path, fd: int, mm: mmap.mmap, world: int, capacity: int, rank: int):
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, world: int, capacity: int, rank: int,
+                 direct_capacity: int = 0):
         self.path, self._fd, self._mm = path, fd, mm
         self.world, self.capacity, self.rank = world, capacity, rank
-        self.size = segment_bytes(world, capacity)
+        self.direct_capacity = direct_capacity
+        self.size = segment_bytes(world, capacity, direct_capacity)
         self.words = np.frombuffer(mm, dtype=np.uint32)  # the whole segment as 32-bit words
         self._anchor = ctypes.c_char.from_buffer(mm)  # pins the mapping's address for CUDA
         self.address = ctypes.addressof(self._anchor)
@@ -120,14 +133,14 @@ class SharedSegment:
 
     # ---- creation and attachment --------------------------------------------------------------
     @classmethod
-    def create(cls, session: str, world: int, capacity: int) -> SharedSegment:
+    def create(cls, session: str, world: int, capacity: int, direct_capacity: int = 0) -> SharedSegment:
         if not 2 <= world <= MAX_WORLD:
             raise SegmentError(f"world size {world} is outside 2..{MAX_WORLD}")
         directory = shm_dir()
         sweep_stale(directory)
         name = f"{PREFIX}{sanitize_session(session)}-{os.getpid()}"
         final, tmp = directory / name, directory / (name + ".init")
-        size = segment_bytes(world, capacity)
+        size = segment_bytes(world, capacity, direct_capacity)
         _check_space(directory, size)
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -148,7 +161,7 @@ class SharedSegment:
             os.close(fd)
             os.unlink(tmp)
             raise
-        seg = cls(final, fd, mm, world, capacity, rank=0)
+        seg = cls(final, fd, mm, world, capacity, rank=0, direct_capacity=direct_capacity)
         w = seg.words
         w[W_MAGIC_LO], w[W_MAGIC_HI] = MAGIC & 0xFFFFFFFF, MAGIC >> 32
         w[W_VERSION], w[W_WORLD] = VERSION, world
@@ -161,7 +174,7 @@ class SharedSegment:
 
     @classmethod
     def attach(cls, session: str, rank: int, world: int, capacity: int, timeout_s: float,
-               name: str | None = None) -> SharedSegment:
+               name: str | None = None, direct_capacity: int = 0) -> SharedSegment:
         """Find rank 0's segment (polling until `timeout_s`), map it and check it matches."""
         directory = shm_dir()
         deadline = time.monotonic() + timeout_s
@@ -171,7 +184,7 @@ class SharedSegment:
             for cand in candidates:
                 m = pattern.fullmatch(cand)
                 if m and pid_alive(int(m.group(1))):
-                    seg = cls._map(directory / cand, rank, world, capacity)
+                    seg = cls._map(directory / cand, rank, world, capacity, direct_capacity)
                     if seg is not None:
                         return seg
             if time.monotonic() > deadline:
@@ -183,12 +196,13 @@ class SharedSegment:
             time.sleep(0.005)
 
     @classmethod
-    def _map(cls, path: Path, rank: int, world: int, capacity: int) -> SharedSegment | None:
+    def _map(cls, path: Path, rank: int, world: int, capacity: int,
+             direct_capacity: int) -> SharedSegment | None:
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             return None
-        size = segment_bytes(world, capacity)
+        size = segment_bytes(world, capacity, direct_capacity)
         actual = os.fstat(fd).st_size
         if actual != size:
             os.close(fd)
@@ -197,7 +211,7 @@ class SharedSegment:
                 hint="every rank must pass the same world size and max message size",
             )
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        seg = cls(path, fd, mm, world, capacity, rank)
+        seg = cls(path, fd, mm, world, capacity, rank, direct_capacity)
         w = seg.words
         magic = int(w[W_MAGIC_LO]) | (int(w[W_MAGIC_HI]) << 32)
         cap = int(w[W_CAP_LO]) | (int(w[W_CAP_HI]) << 32)
@@ -246,8 +260,16 @@ class SharedSegment:
         return GPU_WORDS_OFFSET + 128 * rank
 
     @staticmethod
+    def direct_epoch_offset(rank: int) -> int:
+        return GPU_WORDS_OFFSET + 128 * rank + 8
+
+    @staticmethod
     def progress_offset(rank: int) -> int:
         return GPU_WORDS_OFFSET + 128 * rank + 64
+
+    def direct_flag_offset(self, program: int, dst: int) -> int:
+        """The line a direct-path program of rank `dst` polls; source j writes its word j."""
+        return direct_flags_offset(self.world) + (program * self.world + dst) * 64
 
     def flag_offset(self, flag: int, src: int, dst: int) -> int:
         """Flag ids: barrier b is `b`, piece flag p is `BARRIERS + p`."""
@@ -260,6 +282,18 @@ class SharedSegment:
     @property
     def result_offset(self) -> int:
         return self.data_offset + self.world * self.capacity
+
+    @property
+    def direct_offset(self) -> int:
+        return self.result_offset + self.capacity
+
+    def view(self, rank: int) -> SharedSegment:
+        """Another rank's handle on this same mapping (ranks as threads of one process: one
+        mapping, registered with CUDA once). Closing a view leaves the mapping alone."""
+        v = object.__new__(SharedSegment)
+        v.__dict__.update(self.__dict__)
+        v.rank, v._owner = rank, self
+        return v
 
     # ---- rendezvous ---------------------------------------------------------------------------
     def host_barrier(self, timeout_s: float, what: str,
@@ -289,6 +323,8 @@ class SharedSegment:
 
     # ---- teardown -----------------------------------------------------------------------------
     def unlink(self) -> None:
+        if getattr(self, "_owner", None) is not None:
+            return self._owner.unlink()
         if not self.unlinked:
             try:
                 os.unlink(self.path)
@@ -297,7 +333,7 @@ class SharedSegment:
             self.unlinked = True
 
     def close(self) -> None:
-        if self._mm is None:
+        if self._mm is None or getattr(self, "_owner", None) is not None:
             return
         self.words = None
         self._anchor = None

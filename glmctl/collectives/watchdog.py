@@ -2,8 +2,10 @@
 
 A stream memory wait has no timeout of its own, so each rank runs this thread. It reads, from the
 shared segment, the rank's own status word (written by its GPU stream: `2f+1` on starting to wait
-at flag f, a barrier or a piece of a pipelined call, `2f+2` after passing it), its progress word
-(bumped by the last kernel of every call), its incoming flags, and every peer's pid and state. It declares the group broken when
+at flag f, a barrier or a piece of a pipelined call, `2f+2` after passing it; f = DIRECT while a
+direct-path kernel polls), its progress word (bumped by the last kernel of every call), its
+incoming flags (for DIRECT: whether each peer's direct-path epoch word has reached this rank's),
+and every peer's pid and state. It declares the group broken when
 
 - a peer process is gone (exited or a zombie) without closing its communicator: at once;
 - this rank waits at a barrier for a peer that closed its communicator: at once;
@@ -13,7 +15,8 @@ at flag f, a barrier or a piece of a pipelined call, `2f+2` after passing it), i
 Then it records the error (the next call on the communicator raises it), writes the culprit into the
 header so the other ranks stop with the same diagnosis, and keeps writing 1 into this rank's incoming
 flags, so that whatever the GPU already has queued, graph replays included, runs to its end instead
-of hanging. The data those calls produce is garbage; the error says so.
+of hanging (a direct-path kernel gives up on its own once the abort word is set). The data those
+calls produce is garbage; the error says so.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from glmctl.collectives.errors import CollectiveError, PeerLostError
 from glmctl.collectives.protocol import waiting_flag
 from glmctl.collectives.segment import (
     BARRIERS,
+    DIRECT,
     FLAGS,
     R_PID,
     R_STATE,
@@ -92,6 +96,8 @@ def diagnose(snap: Snapshot, unchanged_s: float, timeout_s: float) -> Verdict | 
 
 
 def _where(f: int) -> str:
+    if f == DIRECT:
+        return "a direct-path call"
     return f"barrier {f}" if f < BARRIERS else f"piece flag {f - BARRIERS}"
 
 
@@ -119,6 +125,10 @@ def snapshot(seg: SharedSegment) -> Snapshot:
     incoming = tuple(
         tuple(seg.word_at(seg.flag_offset(f, j, me)) for j in range(seg.world)) for f in range(FLAGS)
     )
+    mine = seg.word_at(seg.direct_epoch_offset(me))
+    ahead = tuple(int(((seg.word_at(seg.direct_epoch_offset(j)) - mine) & 0xFFFFFFFF) < 1 << 31)
+                  for j in range(seg.world))
+    incoming += (ahead,)  # index DIRECT: 1 where peer j has started this rank's direct call
     return Snapshot(
         rank=me,
         status=seg.word_at(seg.status_offset(me)),

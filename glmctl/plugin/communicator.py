@@ -30,8 +30,9 @@ same on every rank; the INT8 choice is a pure function of the message size):
                            least GLMCTL_COLLECTIVES_INT8_MIN_MIB (default 4) and always above the
                            largest CUDA-graph capture size, so captured decode steps stay exact
   GLMCTL_COLLECTIVES_MAX_MIB  largest message per call (default: the config's largest all-reduce,
-                           1..32 MiB); larger messages go in pieces. Each rank holds (world + 1) x
-                           this in GPU memory, the group the same in /dev/shm.
+                           1..32 MiB); the communicator sends larger messages in several calls.
+                           Each rank holds (world + 1) x this in GPU memory, the group the same in
+                           /dev/shm.
   GLMCTL_COLLECTIVES_TIMEOUT_S  how long a wait may make no progress (default: vLLM's distributed
                            timeout, else 600 s: ranks legitimately drift apart by tens of seconds
                            while torch.compile / Triton compile; a dead peer is caught at once).
@@ -66,7 +67,6 @@ DEFAULT_INT8_MIN_BYTES = 4 * MiB
 MAX_BYTES_CAP = 32 * MiB
 MIN_MAX_BYTES = 1 * MiB
 DEFAULT_TIMEOUT_S = 600.0
-PIECE_ALIGN_ELEMS = 128  # pieces start on 256-byte boundaries (the kernels' pointer alignment)
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,9 @@ class HostStagedCustomAllreduce:
     """vLLM's `ca_comm` duck interface (and the gathers) over one rank's `HostStagedCommunicator`.
 
     All-reduce is out of place (vLLM's op promises torch.compile to leave its input alone); INT8 is
-    chosen by message size alone; a message larger than the communicator's `max_bytes` is split
-    into pieces at the same offsets on every rank. All-gathers are exact (never INT8); dtypes the
-    kernels do not add (integers, bool) travel bit for bit as 16-bit words.
+    chosen by the message's size alone (the communicator cuts messages larger than its
+    `max_bytes` into calls). All-gathers are exact (never INT8); dtypes the kernels do not add
+    (integers, bool) travel bit for bit as 16-bit words.
     """
 
     def __init__(self, comm, *, int8_min_bytes: int | None = None,
@@ -197,15 +197,7 @@ class HostStagedCustomAllreduce:
             return None
         x = inp.contiguous()
         out = torch.empty_like(x)
-        int8 = self.use_int8(x.numel() * x.element_size())
-        step = self._piece_elems(x.element_size())
-        if x.numel() <= step:
-            self.comm.all_reduce(x, out=out, int8=int8)
-            return out
-        flat_x, flat_out = x.view(-1), out.view(-1)
-        for lo in range(0, x.numel(), step):
-            self.comm.all_reduce(flat_x[lo:lo + step], out=flat_out[lo:lo + step], int8=int8)
-        return out
+        return self.comm.all_reduce(x, out=out, int8=self.use_int8(x.numel() * x.element_size()))
 
     # ---- all-gather ------------------------------------------------------------------------------
     def should_all_gather(self, inp) -> bool:
@@ -221,25 +213,8 @@ class HostStagedCustomAllreduce:
         x = inp.contiguous()
         native = x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         words = x if native else x.view(torch.float16)  # bit-exact: the path only moves bytes
-        if words.numel() <= self._piece_elems(words.element_size()):
-            out = self.comm.all_gather(words, dim, int8=False)
-        else:
-            out = self._gather_in_pieces(words, dim)
+        out = self.comm.all_gather(words, dim, int8=False)
         return out if native else out.view(x.dtype)
-
-    def _gather_in_pieces(self, x, dim: int):
-        import torch
-
-        world, n = self.comm.world_size, x.numel()
-        stacked = torch.empty((world, n), dtype=x.dtype, device=x.device)
-        flat = x.view(-1)
-        step = self._piece_elems(x.element_size())
-        for lo in range(0, n, step):
-            piece = self.comm.all_gather(flat[lo:lo + step], 0, int8=False)
-            stacked[:, lo:lo + step].copy_(piece.view(world, -1))
-        shape = list(x.shape)
-        shape[dim] *= world
-        return stacked.view(world, *x.shape).movedim(0, dim).reshape(shape)
 
     def should_custom_all_gather(self, inp) -> bool:
         return self.should_all_gather(inp)
@@ -267,10 +242,6 @@ class HostStagedCustomAllreduce:
 
     def close(self) -> None:
         self.comm.close()
-
-    def _piece_elems(self, elem_bytes: int) -> int:
-        step = self.comm.max_bytes // elem_bytes
-        return max(PIECE_ALIGN_ELEMS, step - step % PIECE_ALIGN_ELEMS)
 
 
 # ---- installation ----------------------------------------------------------------------------------

@@ -59,19 +59,27 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
     """Run every case (op, dtype, numel, int8, engines, one_shot_max_bytes, piece_bytes, dim) and
     report, per case, the error against an fp64 sum (or exact concatenation) and a checksum."""
     torch = _torch(rank)
+    from dataclasses import replace
+
     from glmctl.collectives import CopyEngines
+    from glmctl.collectives.plan import DirectLimits
 
     comm = _communicator(rank, world, session, max_bytes, timeout_s=30)
-    calibrated, pieces = comm.copy_engines, comm.piece_bytes
+    defaults = comm.options
+    direct_kinds = {"ll": DirectLimits(ll_max_bytes=256 * 1024, capacity=defaults.direct.capacity),
+                    "flag": DirectLimits(flag_max_bytes=512 * 1024, capacity=defaults.direct.capacity),
+                    None: replace(defaults.direct, ll_max_bytes=0, flag_max_bytes=0)}
     rows = []
     try:
         for i, case in enumerate(cases):
             dtype = getattr(torch, case["dtype"])
             numel, int8 = case["numel"], case["int8"]
             eng = case["engines"]
-            comm.copy_engines = calibrated if eng == "auto" else CopyEngines.uniform(eng)
-            comm.one_shot_max_bytes = case.get("one_shot_max_bytes", 256 * 1024)
-            comm.piece_bytes = case.get("piece_bytes", pieces)
+            comm.options = replace(
+                defaults, engines=defaults.engines if eng == "auto" else CopyEngines.uniform(eng),
+                one_shot_max_bytes=case.get("one_shot_max_bytes", 256 * 1024),
+                piece_bytes=case.get("piece_bytes", defaults.piece_bytes),
+                direct=direct_kinds[case.get("direct")])
             seeds = [1_000_003 * (i + 1) + j for j in range(world)]
             inputs = [gen(s, numel, dtype) for s in seeds]
             x = inputs[rank].clone()
@@ -188,7 +196,7 @@ def lose_a_rank(rank: int, world: int, session: str, victim: int, mode: str,
     for _ in range(3):
         comm.all_reduce(x)
     torch.cuda.synchronize()
-    comm._seg.host_barrier(30, "the fault test's start")
+    comm.host_barrier("the fault test's start", 30)
     if rank == victim:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

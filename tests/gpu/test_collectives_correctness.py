@@ -1,6 +1,6 @@
 """Host-staged all-reduce / all-gather across 2 and 4 processes sharing one GPU: every dtype, sizes
-from 1 KB to 256 MB (odd ones too), both copy paths, pipelined (pieces in flight on two streams) and
-not, fresh random data, against fp64 sums or exact concatenation; every rank's output bitwise equal
+from 1 KB to 256 MB (odd ones too), both copy paths, the direct path (LL words and flag lines),
+pipelined (pieces in flight on two streams) and not, fresh random data, against fp64 sums or exact concatenation; every rank's output bitwise equal
 to every other's."""
 
 from __future__ import annotations
@@ -29,6 +29,13 @@ def _cases(world: int) -> list[dict]:
                 shape, dim = ([numel], 0) if numel % 8 else ([8, numel // 8], -1)
                 cases.append({**base, "op": "all_gather", "int8": False, "shape": shape, "dim": dim})
                 cases.append({**base, "op": "all_gather", "int8": True, "shape": shape, "dim": dim})
+            if nbytes <= 64 * 1024 + 2:  # the direct path, both payload formats
+                for kind in ("ll", "flag"):
+                    base = {"dtype": dtype, "numel": numel, "engines": "auto", "direct": kind}
+                    cases.append({**base, "op": "all_reduce", "int8": False})
+                    shape, dim = ([numel], 0) if numel % 8 else ([8, numel // 8], -1)
+                    cases.append({**base, "op": "all_gather", "int8": False, "shape": shape,
+                                  "dim": dim})
             if world > 2 and nbytes < 64 * 1024:  # reduce-scatter + all-gather at tiny sizes too
                 for int8 in (False, True):
                     cases.append({"dtype": dtype, "numel": numel, "engines": "ce", "op": "all_reduce",
@@ -66,8 +73,9 @@ def test_collectives_match_fp64_and_agree_bitwise(world):
             assert a["checksum"] == b["checksum"], f"ranks disagree bitwise on {c}"
             assert b["ok"], (c, b)
     rows = per_rank[0]
-    assert {r["algorithm"] for r in rows} >= ({"one_shot", "gather", "two_shot"} if world > 2
-                                             else {"one_shot", "gather"})
+    assert {r["algorithm"] for r in rows} >= ({"one_shot", "gather", "two_shot", "direct", "direct_ll"}
+                                             if world > 2 else {"one_shot", "gather", "direct",
+                                                                "direct_ll"})
     assert {(r["d2h"], r["h2d"]) for r in rows} >= {("ce", "ce"), ("sm", "sm")}
     ce = [r for r in rows if (r["d2h"], r["h2d"]) == ("ce", "ce")]
     assert {r["pieces"] > 0 for r in ce} == {True, False}  # pipelined and not, both checked

@@ -14,7 +14,9 @@ import sys
 
 from tests.conftest import REPO
 
-NAMES = ("glmctl.collectives.kernels", "glmctl.collectives.datapath", "glmctl.collectives.pipeline")
+# the data paths after the kernels they launch, the dispatch table (datapath) after the paths
+NAMES = ("glmctl.collectives.kernels", "glmctl.collectives.direct", "glmctl.collectives.pipeline",
+         "glmctl.collectives.datapath")
 
 
 def _triton_interpreted() -> bool:
@@ -25,7 +27,7 @@ def _triton_interpreted() -> bool:
 
 
 def load():
-    """(kernels, datapath, pipeline) built for the interpreter, or None when that is impossible."""
+    """(kernels, direct, pipeline, datapath) built for the interpreter, or None when impossible."""
     if "triton" in sys.modules and not _triton_interpreted():
         return None
     saved = os.environ.get("TRITON_INTERPRET")
@@ -37,7 +39,7 @@ def load():
             if mod is None:
                 mod = importlib.import_module(name)
             elif type(getattr(mod, "_reduce_kernel", None)).__name__ == "JITFunction" or name.endswith(
-                    ("datapath", "pipeline")):
+                    ("direct", "datapath", "pipeline")):
                 mod = importlib.reload(mod)
             mods.append(mod)
         return tuple(mods)

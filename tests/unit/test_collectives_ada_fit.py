@@ -1,5 +1,6 @@
 """Every collectives kernel compiles for Ada (sm_89) and needs far less than its 99 KB of shared
-memory per block (cross-compiled on CPU, in a subprocess so TRITON_INTERPRET cannot leak in)."""
+memory per block (cross-compiled on CPU, in a subprocess so TRITON_INTERPRET cannot leak in); the
+direct path's kernel polls with volatile loads and announces with a system-scope release."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
+from glmctl.collectives import direct as d
 from glmctl.collectives import kernels as k
 
 P = "*i32"
@@ -48,13 +50,25 @@ cases = {
                         {"TICK": True, "G": 128, "GPP": k.GROUPS_PER_PROGRAM}, 4),
     "progress": (k._progress_kernel, dict(TICK), {}, 4),
 }
-out = {}
+for ll in (True, False):
+    for gather in (False, True):
+        for dt in ("bf16", "fp32"):
+            sig = {"x": "*" + dt, "out": "*" + dt, "slots": "*i64" if ll else "*" + dt,
+                   "flags": P, "epochs": P, "abort": P, "status": P, "epoch_word": P, **TICK,
+                   "numel": "i32", "units": "i32", "slot_units": "i32", "rank": "i32",
+                   "world": "i32", "wait_status": "i32", "done_status": "i32"}
+            const = {"LL": ll, "GATHER": gather, "PHASE": 3, "EPW": (2 if dt == "bf16" else 1) if ll
+                     else 1, "WP2": 8, "TICK": True, "BLOCK": d.BLOCK}
+            cases[f"direct[{'ll' if ll else 'flag'} {'gather' if gather else 'reduce'} {dt}]"] = (
+                d._direct_kernel, sig, const, 4)
+out, ptx = {}, {}
 for name, (fn, sig, const, warps) in cases.items():
     sig = {**sig, **{c: "constexpr" for c in const}}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                        target=GPUTarget("cuda", 89, 32), options={"num_warps": warps})
     out[name] = c.metadata.shared
-print("@@" + json.dumps(out))
+    ptx[name] = c.asm["ptx"]
+print("@@" + json.dumps({"shared": out, "ptx": ptx}))
 """
 
 
@@ -64,6 +78,14 @@ def test_kernels_fit_ada():
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    shared = json.loads(proc.stdout.split("@@", 1)[1])
-    assert set(shared) == {"reduce", "copy", "quantize", "dequant_reduce", "dequant_records", "progress"}
+    got = json.loads(proc.stdout.split("@@", 1)[1])
+    shared, ptx = got["shared"], got["ptx"]
+    assert {"reduce", "copy", "quantize", "dequant_reduce", "dequant_records", "progress"} <= set(shared)
+    assert len([n for n in shared if n.startswith("direct[")]) == 8
     assert max(shared.values()) <= 16 * 1024, shared  # Ada allows 99 KB; these are reductions only
+    for name, text in ptx.items():
+        if name.startswith("direct["):
+            assert "ld.volatile.global" in text, name  # polls never hit a cached line
+            # LL words carry their epoch in the same 8-byte store; flag lines follow a release
+            assert ("st.global.b64" in text) if "[ll" in name else (
+                "atom.global.sys.release.exch" in text and "bar.sync" in text), name

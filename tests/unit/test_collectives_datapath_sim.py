@@ -1,9 +1,10 @@
-"""The real data paths (`datapath.py`, and the pipelined `pipeline.py`), flag protocol and kernels, run
-end to end on CPU: threads as ranks share a real segment. Each rank has two "streams", each a worker
+"""The real data paths (`datapath.py`, the pipelined `pipeline.py`, the direct `direct.py`), flag
+protocol and kernels, run end to end on CPU: threads as ranks share a real segment. Each rank has two "streams", each a worker
 thread executing what the data path enqueued on it, in order: copies (memmove), stream memory
 operations (a wait spins on the word), event records and waits (CUDA's rule: a wait binds to the
 event's most recent record at enqueue time), and kernel launches (the Triton interpreter on CPU
-views of the same memory, one launch at a time: the interpreter is not thread-safe). Random small
+views of the same memory, one launch at a time: the interpreter is not thread-safe; a direct-path
+kernel runs as its publish half, a wait for the peers' epochs, and its collect half). Random small
 delays before operations vary the interleaving, so an ordering the code forgets shows up as wrong
 data. Every rank enqueues each case twice back to back (two calls in flight: a slot reused too
 early shows up), then checks both against plain torch, and that the ranks agree bit for bit."""
@@ -16,6 +17,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from tests.unit import collectives_interp
@@ -24,12 +26,19 @@ torch = pytest.importorskip("torch")
 
 _MODULES = collectives_interp.load()
 _PRELOADED = _MODULES is None
-kernels, datapath, pipeline = _MODULES or (None, None, None)
+kernels, direct, pipeline, datapath = _MODULES or (None, None, None, None)
 
 from glmctl.collectives.codec import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
-from glmctl.collectives.plan import CopyEngines, plan_all_gather, plan_all_reduce, slot_capacity  # noqa: E402
-from glmctl.collectives.protocol import arrive_memops, await_memops, barrier_memops  # noqa: E402
-from glmctl.collectives.segment import BARRIERS, PIECE_FLAGS, SharedSegment  # noqa: E402
+from glmctl.collectives.plan import (  # noqa: E402
+    CopyEngines,
+    DirectLimits,
+    plan_all_gather,
+    plan_all_reduce,
+    slot_capacity,
+)
+from glmctl.collectives.protocol import MemopSync  # noqa: E402
+from glmctl.collectives.segment import DIRECT_PROGRAMS, W_ABORT, SharedSegment  # noqa: E402
+from glmctl.collectives.staging import DirectArea, Staging  # noqa: E402
 
 interpreted = pytest.mark.skipif(_PRELOADED, reason="triton was imported before: test_fresh_process")
 MAX_BYTES = 64 * 1024
@@ -168,40 +177,69 @@ class Regions:
         return torch.empty(0, dtype=p.dtype)  # past the end of a tensor: a launcher given no work
 
 
+class SimSide:
+    """`staging.SideStream` on the simulated driver: events 0 (fork), 1 (join), 2 + p (pieces)."""
+
+    def __init__(self, drv: SimDriver):
+        self.stream, self._drv = D2H, drv
+
+    def fork(self, main):
+        self._drv.event_record(0, main)
+        self._drv.stream_wait_event(D2H, 0)
+
+    def join(self, main):
+        self._drv.event_record(1, D2H)
+        self._drv.stream_wait_event(main, 1)
+
+    def signal(self, p, src):
+        self._drv.event_record(2 + p, src)
+
+    def after(self, p, dst):
+        self._drv.stream_wait_event(dst, 2 + p)
+
+
 class SimComm:
+    """One rank: the objects a data path takes (`Staging`, `MemopSync`, a side stream), built on
+    the simulated driver exactly as the communicator builds them on the real one."""
+
     def __init__(self, seg: SharedSegment, rank: int, regions: Regions):
-        self.rank, self.world_size, self._capacity = rank, seg.world, seg.capacity
-        self._drv = SimDriver(rank)
-        self._hdata = seg.address + seg.data_offset
+        self.rank, self.world = rank, seg.world
+        self.drv = SimDriver(rank)
         self._stage_t = torch.zeros(seg.size - seg.data_offset, dtype=torch.uint8)
-        self._sdata = self._stage_t.data_ptr()
         regions.add(seg.address, seg.size)
-        regions.add(self._sdata, self._stage_t.numel())
-        self._progress_t = torch.zeros(1, dtype=torch.int32)
-        self._progress = kernels.Progress(
-            self._progress_t, kernels.MappedPtr(seg.address + seg.progress_offset(rank), torch.int32))
+        regions.add(self._stage_t.data_ptr(), self._stage_t.numel())
+        self.progress_t = torch.zeros(1, dtype=torch.int32)
+        a = seg.address
+        progress = kernels.Progress(self.progress_t,
+                                    kernels.MappedPtr(a + seg.progress_offset(rank), torch.int32))
+        area = DirectArea(slots=a + seg.direct_offset, capacity=seg.direct_capacity,
+                          flags=a + seg.direct_flag_offset(0, 0), abort=a + 4 * W_ABORT,
+                          status=a + seg.status_offset(rank),
+                          epoch_word=a + seg.direct_epoch_offset(rank),
+                          epochs=torch.zeros(DIRECT_PROGRAMS, dtype=torch.int32))
+        self.staging = Staging(rank=rank, world=seg.world, capacity=seg.capacity,
+                               host=a + seg.data_offset, stage=self._stage_t.data_ptr(),
+                               progress=progress, copy=self.drv.memcpy_async, direct=area)
+        self.sync = MemopSync(rank, seg.world, lambda f, s, d: a + seg.flag_offset(f, s, d),
+                              a + seg.status_offset(rank),
+                              run=lambda stream, ops, prepared: self.drv.run_memops(stream, ops))
+        self.side = SimSide(self.drv)
 
-        def flag(f, s, d):
-            return seg.address + seg.flag_offset(f, s, d)
 
-        status = seg.address + seg.status_offset(rank)
-        w = seg.world
-        self._barriers = [barrier_memops(rank, w, b, flag, status) for b in range(BARRIERS)]
-        self._arrivals = [arrive_memops(rank, w, BARRIERS + p, flag) for p in range(PIECE_FLAGS)]
-        self._awaits = [await_memops(rank, w, BARRIERS + p, flag, status) for p in range(PIECE_FLAGS)]
-        self.d2h_stream = D2H
+def _words(addr: int, n: int, dtype) -> np.ndarray:
+    return np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(addr), dtype)
 
-    def barrier(self, b, stream):
-        self._drv.run_memops(stream, self._barriers[b])
 
-    def arrive(self, p, stream):
-        self._drv.run_memops(stream, self._arrivals[p])
-
-    def await_flag(self, p, stream):
-        self._drv.run_memops(stream, self._awaits[p])
-
-    def event(self, i):
-        return i
+def _peers_published(area: DirectArea, rank: int, world: int, e: int, units: int, ll: bool) -> bool:
+    """What a direct kernel's collect half waits for: every peer's epoch e, in its flag words
+    (every program) or in every LL word of its slot."""
+    peers = [j for j in range(world) if j != rank]
+    if ll:
+        q = e & 1
+        return all((_words(area.slots + (q * world + j) * area.capacity, 2 * units,
+                           np.uint32)[1::2] == e).all() for j in peers)
+    return all(int(_words(area.flags + (c * world + rank) * 64, world, np.int32)[j]) >= e
+               for c in range(DIRECT_PROGRAMS) for j in peers)
 
 
 def _wrap_launchers(regions: Regions, comms: dict):
@@ -225,13 +263,32 @@ def _wrap_launchers(regions: Regions, comms: dict):
                     k = {n: conv_progress(v) if n == "progress" else conv(v) for n, v in kw.items()}
                     _fn(*a, **k)
 
-            comms[threading.current_thread().name]._drv.streams[MAIN].put(launch)
+            comms[threading.current_thread().name].drv.streams[MAIN].put(launch)
 
         setattr(kernels, name, wrapped)
+
+    saved_direct = direct.launch
+
+    def direct_launch(x, out, area, **kw):
+        def run():
+            e = int(area.epochs[0]) + 1
+            units = direct.units_for(kw["numel"], x.element_size(), kw["ll"])[0]
+            for phase in (1, 2):
+                with _LAUNCH:
+                    args, meta = direct.kernel_args(x, out, area, phase=phase, **kw)
+                    direct._direct_kernel[(DIRECT_PROGRAMS,)](*[conv(v) for v in args], **meta)
+                if phase == 1:
+                    _spin(lambda: _peers_published(area, kw["rank"], kw["world"], e, units, kw["ll"]),
+                          "direct-path epochs never arrived")
+
+        comms[threading.current_thread().name].drv.streams[MAIN].put(run)
+
+    direct.launch = direct_launch
 
     def restore():
         for name, fn in saved.items():
             setattr(kernels, name, fn)
+        direct.launch = saved_direct
 
     return restore
 
@@ -239,9 +296,18 @@ def _wrap_launchers(regions: Regions, comms: dict):
 PIECE = 2048  # bytes per piece in the pipelined cases: several pieces at these small sizes
 
 
+DIRECT_CAP = 16 * 1024
+
+
 def _cases(world):
-    """(op, dtype, numel, int8, engines, one_shot_max_bytes, piece_bytes)."""
-    cases = []
+    """(op, dtype, numel, int8, engines, one_shot_max_bytes, piece_bytes); engines "ll" and "flag"
+    mean the direct path with that payload format."""
+    cases = [  # the direct path, first and between the others (its area is its own)
+        ("all_reduce", torch.bfloat16, 3001, False, "ll", 0, 0),
+        ("all_reduce", torch.float32, 777, False, "flag", 0, 0),
+        ("all_gather", torch.bfloat16, 1001, False, "ll", 0, 0),
+        ("all_gather", torch.float32, 5, False, "flag", 0, 0),
+    ]
     for eng in ("ce", "sm"):
         cases += [
             ("all_reduce", torch.float32, 3001, False, eng, 1 << 30, 0),
@@ -255,6 +321,8 @@ def _cases(world):
                 ("all_reduce", torch.bfloat16, 700, True, eng, 0, 0),
                 ("all_reduce", torch.float32, 5, False, eng, 0, 0),  # chunks past the message
             ]
+        cases += [("all_reduce", torch.float16, 2048 + 1, False, "ll", 0, 0),
+                  ("all_reduce", torch.bfloat16, 9, False, "flag", 0, 0)]
     cases += [  # pipelined (copy engine both ways)
         ("all_reduce", torch.float32, 3001, False, "ce", 1 << 30, PIECE),
         ("all_reduce", torch.bfloat16, 5000, True, "ce", 1 << 30, PIECE),
@@ -279,22 +347,17 @@ def _inputs(seed, world, numel, dtype):
 def _plan(case, world):
     op, dtype, numel, int8, eng, osm, piece = case
     eb = torch.empty(0, dtype=dtype).element_size()
-    kw = dict(int8=int8, engines=CopyEngines.uniform(eng), piece_bytes=piece)
+    limits = {"ll": DirectLimits(ll_max_bytes=DIRECT_CAP // 2, capacity=DIRECT_CAP),
+              "flag": DirectLimits(flag_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)}
+    kw = dict(int8=int8, engines=CopyEngines.uniform("ce" if eng in limits else eng),
+              piece_bytes=piece, direct=limits.get(eng, DirectLimits()))
     if op == "all_reduce":
         return plan_all_reduce(numel, eb, world, one_shot_max_bytes=osm, **kw)
     return plan_all_gather(numel, eb, world, **kw)
 
 
 def _enqueue(comm, plan, x, out):
-    path = pipeline if plan.pieces else datapath
-    if plan.op == "all_gather":
-        path.all_gather(comm, x, out, plan, MAIN)
-    elif plan.int8:
-        path.all_reduce_int8(comm, x, out, plan, MAIN)
-    elif plan.algorithm == "two_shot":
-        path.all_reduce_two_shot(comm, x, out, plan, MAIN)
-    else:
-        path.all_reduce_one_shot(comm, x, out, plan, MAIN)
+    datapath.enqueue(plan, comm.staging, comm.sync, x, out, MAIN, comm.side)
 
 
 def _want(plan, xs, dtype):
@@ -320,13 +383,13 @@ def _run_cases(seg: SharedSegment, comm: SimComm, regions: Regions):
             regions.add(out.data_ptr(), out.numel() * out.element_size())
             _enqueue(comm, plan, x, out)
             calls.append((xs, x, out))
-        comm._drv.synchronize()
+        comm.drv.synchronize()
         for xs, _, got in calls:
             want = _want(plan, xs, dtype)
             err = (got.double() - want.double()).abs().max().item()
             scale = want.double().abs().max().item() + 1e-9
             rows.append((i, plan.algorithm, plan.pieces, err / scale, bytes(got.view(torch.uint8).numpy())))
-    return rows, int(comm._progress_t.item()), int(seg.word_at(seg.progress_offset(comm.rank)))
+    return rows, int(comm.progress_t.item()), int(seg.word_at(seg.progress_offset(comm.rank)))
 
 
 @interpreted
@@ -335,7 +398,7 @@ def test_every_path_end_to_end_on_cpu(world, tmp_path, monkeypatch):
     monkeypatch.setenv("GLMCTL_SHM_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _ABORT.clear()
-    seg = SharedSegment.create(f"sim{world}", world, slot_capacity(MAX_BYTES, world))
+    seg = SharedSegment.create(f"sim{world}", world, slot_capacity(MAX_BYTES, world), DIRECT_CAP)
     regions = Regions()
     comms = {f"rank{r}": SimComm(seg, r, regions) for r in range(world)}
     restore = _wrap_launchers(regions, comms)
@@ -359,7 +422,7 @@ def test_every_path_end_to_end_on_cpu(world, tmp_path, monkeypatch):
         _ABORT.set()  # (after the joins) no stream thread may outlive the segment
         restore()
         for c in comms.values():
-            c._drv.stop()
+            c.drv.stop()
         seg.unlink()
         seg.close()
     assert len(results) == world, "a rank thread hung"
@@ -377,7 +440,9 @@ def test_every_path_end_to_end_on_cpu(world, tmp_path, monkeypatch):
         limit = 1e-6 if dtype == torch.float32 else 2**-7
         limit += 1 / 127 if int8 else 0
         assert rel <= limit, (case, algorithm, rel)
-        if world > 2 and osm == 0 and op == "all_reduce":
+        if eng in ("ll", "flag"):
+            assert algorithm == ("direct_ll" if eng == "ll" else "direct"), (case, algorithm)
+        elif world > 2 and osm == 0 and op == "all_reduce":
             assert algorithm == "two_shot"
         assert (pieces > 0) == (piece > 0) and (pieces > 1 or not piece or numel < 2000), (case, pieces)
         for r in range(1, world):

@@ -1,0 +1,467 @@
+#!/usr/bin/env python3
+"""Host-staged collectives with the ranks as threads of one process on one GPU: the thread rig.
+
+    python bench/gpu/collectives_threads.py --out DIR [--budget-s 100] [--worlds 2 4 8]
+                                            [--phases small sweep pipeline] [--max-mb 256]
+
+What each rig measures. Here (threads): N ranks are N threads of one process, each with its own
+CUDA stream in the one context, each with its own `HostStagedCommunicator` on one shared pinned
+segment (mapped and registered once), running the production data paths and flag protocol:
+stream memory operations in the stream front end, or the direct path's kernels polling host
+memory. No context switches, so this is the protocol's own cost: flag writes and polls through
+pinned host memory, copy-engine or SM copies, the reduction, the barriers. All N ranks' bytes
+cross this GPU's one PCIe link (the node gives each rank its own). `bench/collectives.py` (N
+processes time-slicing the GPU) measures what the processes pay on top: the context switches.
+
+Timing: each case is captured as a CUDA graph of `calls` back-to-back collectives per rank; every
+rank's stream waits on a host word before its start event, released once every rank has enqueued
+its replays, so the ranks start together; time = the slowest rank's event time / calls. Eager
+rows time the same calls launched one by one (GPU events; N Python threads share one GIL, so
+small eager messages mostly measure launching). #wrong counts, over every rank and every call of
+the last replay: native payloads, elements not bitwise equal to the fp32 sum in rank order (what
+the kernels compute); all-gathers, elements not equal to the concatenation; INT8, all elements of
+a result whose relative RMS error to the exact sum exceeds 1%; and elements that differ from rank
+0's result. Sizes: nccl-tests' convention (all-reduce: the input; all-gather: the output), with
+`rank_bytes` each rank's input. busbw = algbw * 2(n-1)/n (all-reduce) or (n-1)/n (all-gather).
+
+Phases, in priority order (each case starts only if the budget allows): `small` compares the
+small-message paths (barriers + SM/CE copies; the direct path as LL words or flag lines) at 2, 4,
+8 ranks and times their components alone (a barrier pair, a kernel launch); `sweep` is the nccl-
+tests-style sweep 4 KiB-256 MiB plus GLM-5.3-Flash's decode and prefill sizes; `pipeline` is the
+pipelining A/B. Results go to DIR/collectives-h200-threads.json after every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+# one hardware queue per stream: ranks whose streams shared a queue could block each other's waits
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from collectives_threads_report import (  # noqa: E402
+    KiB,
+    MiB,
+    compact_table,
+    derive,
+    markdown,
+    targets,
+)
+
+SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+HIDDEN, VOCAB, TP_REF, PREFILL_CHUNK = 4096, 154_880, 8, 2048
+DECODE_TOKENS = (1, 4, 8, 32, 48)
+GO_OFFSET = 192  # a free header word: the start gate of every timed replay
+DIRECT_CAP = 512 * KiB
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # all_reduce | all_gather | barrier | launch
+    dtype: str  # bf16 | int8 | fp32
+    rank_numel: int
+    variant: str = "default"
+    graph: bool = True
+    label: str = ""
+
+    def rank_bytes(self) -> int:
+        return self.rank_numel * (4 if self.dtype == "fp32" else 2)
+
+
+@dataclass
+class Phase:
+    name: str
+    world: int
+    max_bytes: int
+    cases: list[Case] = field(default_factory=list)
+
+
+def variants(engines, default_direct):
+    """Option overrides by name, applied to each communicator's PathOptions."""
+    from glmctl.collectives.plan import CopyEngines, DirectLimits
+
+    off = DirectLimits(capacity=DIRECT_CAP)
+    return {
+        "default": dict(direct=replace(default_direct, capacity=DIRECT_CAP)),
+        "memops-sm": dict(direct=off, engines=replace(engines, d2h_small="sm", h2d_small="sm")),
+        "memops-ce": dict(direct=off, engines=CopyEngines.uniform("ce")),
+        "direct-ll": dict(direct=DirectLimits(ll_max_bytes=DIRECT_CAP // 2, capacity=DIRECT_CAP)),
+        "direct-flag": dict(direct=DirectLimits(flag_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)),
+        "pipe-1m": dict(piece_bytes=MiB, engines=CopyEngines.uniform("ce"), direct=off),
+        "pipe-4m": dict(piece_bytes=4 * MiB, engines=CopyEngines.uniform("ce"), direct=off),
+        "unpiped-ce": dict(piece_bytes=0, engines=CopyEngines.uniform("ce"), direct=off),
+    }
+
+
+def plan_phases(worlds: list[int], phases: list[str], max_mb: int) -> list[Phase]:
+    sizes = [s for s in SIZES if s <= max_mb * MiB]
+    decode_ar = [HIDDEN * t for t in DECODE_TOKENS]  # elements per rank
+    logits = [VOCAB // TP_REF * t for t in DECODE_TOKENS]
+    out = []
+    if "small" in phases:
+        for w in worlds:
+            ph = Phase("small", w, 4 * MiB)
+            ph.cases += [Case("barrier", "bf16", 0, "memops-sm"), Case("launch", "bf16", 0, "memops-sm")]
+            small = sorted({*(s // 2 for s in sizes if s <= 64 * KiB), *decode_ar[:4]})
+            for v in ("memops-sm", "direct-ll", "direct-flag", "memops-ce"):
+                ph.cases += [Case("all_reduce", "bf16", n, v) for n in small]
+                ph.cases += [Case("all_gather", "fp32", n, v, label=f"logits x{t} tokens")
+                             for n, t in zip(logits[:3], DECODE_TOKENS[:3], strict=True)]
+            out.append(ph)
+    for w in worlds:
+        big = Phase("sweep", w, max(sizes))
+        if "sweep" in phases:  # the decode sizes first, the largest messages last
+            big.cases += [Case("all_reduce", "bf16", n, label=f"decode x{t} tokens")
+                          for n, t in zip(decode_ar, DECODE_TOKENS, strict=True)]
+            big.cases += [Case("all_gather", "fp32", n, label=f"logits x{t} tokens")
+                          for n, t in zip(logits, DECODE_TOKENS, strict=True)]
+            for s in sizes:
+                label = "prefill chunk (2048 tokens)" if s == PREFILL_CHUNK * HIDDEN * 2 else ""
+                for graph in (True, False):
+                    big.cases += [Case("all_reduce", "bf16", s // 2, graph=graph, label=label),
+                                  Case("all_reduce", "int8", s // 2, graph=graph, label=label),
+                                  Case("all_gather", "bf16", s // 2 // w, graph=graph)]
+        if "pipeline" in phases:
+            pipe = []
+            for s in (8 * MiB, 16 * MiB, 64 * MiB):
+                if s <= max(sizes):
+                    for v in ("unpiped-ce", "pipe-1m", "pipe-4m"):
+                        pipe += [Case("all_reduce", "bf16", s // 2, v),
+                                 Case("all_gather", "bf16", s // 2 // w, v)]
+            cut = next((i for i, c in enumerate(big.cases) if c.rank_bytes() * (
+                w if c.op == "all_gather" else 1) > 16 * MiB), len(big.cases))
+            big.cases[cut:cut] = pipe
+        if big.cases:
+            out.append(big)
+    order = {"small": 0, "sweep": 1}
+    return sorted(out, key=lambda p: (order[p.name], p.world > 4, p.world))
+
+
+def calls_for(nbytes: int) -> tuple[int, int]:
+    """(collectives per graph, timed replays)."""
+    if nbytes <= MiB:
+        return 20, 5
+    return (4, 3) if nbytes <= 16 * MiB else (1, 2)
+
+
+class Rig:
+    """N rank threads around one pinned segment; `run(case)` runs it on every rank."""
+
+    def __init__(self, world: int, max_bytes: int, engines, default_direct, timeout_s: float = 5.0):
+        import torch
+
+        from glmctl.collectives.communicator import PinnedSegment
+        from glmctl.collectives.cuda_driver import driver
+        from glmctl.collectives.plan import slot_capacity
+        from glmctl.collectives.segment import SharedSegment
+
+        torch.cuda.set_device(0)
+        torch.zeros(1, device="cuda")
+        self.world, self.drv = world, driver()
+        t0 = time.perf_counter()
+        self.seg = SharedSegment.create(f"threads{os.getpid()}w{world}", world,
+                                        slot_capacity(max_bytes, world), DIRECT_CAP)
+        self.drv.host_register(self.seg.address, self.seg.size)
+        self.base = self.drv.device_pointer(self.seg.address)
+        self.setup_s = time.perf_counter() - t0
+        self.pinned = PinnedSegment(self.seg, self.base)
+        self.variants = variants(engines, default_direct)
+        self.barrier = threading.Barrier(world + 1, timeout=300)  # main thread and ranks
+        self.rank_barrier = threading.Barrier(world, timeout=30)  # the ranks within a case
+        self.lock = threading.Lock()  # Triton compiles and graph captures, one rank at a time
+        self.case: Case | None = None
+        self.results: list = [None] * world
+        self.shared: dict = {}
+        self.comms: list = [None] * world
+        self.base_options: list = [None] * world
+        self.graphs_run = [0] * world
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._rank, args=(r, max_bytes, engines, timeout_s),
+                                         name=f"rank{r}", daemon=True) for r in range(world)]
+        for t in self.threads:
+            t.start()
+        self._sync_main()  # communicators built
+        if self.errors:
+            raise RuntimeError(self.errors[0])
+
+    def _sync_main(self):
+        self.barrier.wait()
+
+    def _rank(self, r: int, max_bytes: int, engines, timeout_s: float) -> None:
+        import torch
+
+        from glmctl.collectives.communicator import HostStagedCommunicator
+
+        torch.cuda.set_device(0)
+        stream = torch.cuda.Stream()
+        torch.cuda.set_stream(stream)
+        try:
+            self.comms[r] = HostStagedCommunicator(r, self.world, "threads", max_bytes, device=0,
+                                                   copy_engines=engines, timeout_s=timeout_s,
+                                                   init_timeout_s=20, direct_capacity=DIRECT_CAP,
+                                                   pinned=self.pinned)
+            self.base_options[r] = self.comms[r].options
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            self.errors.append(f"rank {r}: {exc!r}")
+        self.barrier.wait()
+        while True:
+            try:
+                self.barrier.wait()  # a case (or None: stop) was posted
+            except threading.BrokenBarrierError:
+                return
+            case = self.case
+            if case is None or self.comms[r] is None:
+                return
+            try:
+                self.results[r] = self._run_rank(r, case, stream)
+                self.barrier.wait()  # case done
+            except BaseException as exc:  # noqa: BLE001 - the case fails, the rig is done
+                self.results[r] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.rank_barrier.abort()
+                self.barrier.abort()
+                return
+
+    def run(self, case: Case) -> list[dict]:
+        self.case = case
+        self.results = [None] * self.world
+        self.shared = {}
+        try:
+            self.barrier.wait()
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            time.sleep(0.5)  # let every rank record its error
+        return self.results
+
+    def close(self) -> None:
+        import torch
+
+        self.case = None
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+        for t in self.threads:
+            t.join(timeout=30)
+        for c in self.comms:
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        torch.cuda.synchronize()
+        self.drv.host_unregister(self.seg.address)
+        self.seg.unlink()
+        self.seg.close()
+
+    # ---- one rank's part of one case ----------------------------------------------------------
+    def _run_rank(self, r: int, case: Case, stream) -> dict:
+        import torch
+
+        from glmctl.collectives import kernels
+
+        comm = self.comms[r]
+        comm.options = replace(self.base_options[r], **self.variants[case.variant])
+        calls, replays = calls_for(max(case.rank_bytes(), 1) * (self.world if case.op ==
+                                                                "all_gather" else 1))
+        dtype = torch.float32 if case.dtype == "fp32" else torch.bfloat16
+        int8 = case.dtype == "int8"
+        x = None
+        outs: list = []
+        if case.op in ("all_reduce", "all_gather"):
+            g = torch.Generator(device="cuda")
+            g.manual_seed(7919 * r + case.rank_numel)
+            x = torch.randn(case.rank_numel, generator=g, device="cuda").to(dtype)
+            self.shared[("x", r)] = x
+            if case.op == "all_reduce":
+                outs = [torch.empty_like(x) for _ in range(calls)]
+
+        def call(i: int):
+            if case.op == "all_reduce":
+                comm.all_reduce(x, out=outs[i], int8=int8)
+                return outs[i]
+            if case.op == "all_gather":
+                return comm.all_gather(x, 0, int8=False)
+            if case.op == "barrier":
+                comm.sync.barrier(0, stream.cuda_stream)
+                comm.sync.barrier(1, stream.cuda_stream)
+            else:
+                kernels.bump_progress(comm.staging.progress)
+            return None
+
+        plan = comm.plan(case.op, x, int8) if x is not None else None
+        with self.lock:  # compiles every kernel of the case outside any capture
+            call(0)
+        stream.synchronize()  # never the whole device: another rank may be capturing
+        self.rank_barrier.wait()
+        t_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if case.graph:
+            graph = torch.cuda.CUDAGraph()
+            with comm.capture():  # its exit waits for every rank's capture: only then replay
+                with self.lock:
+                    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                        results = [call(i) for i in range(calls)]
+            graph.replay()
+            stream.synchronize()
+            self.rank_barrier.wait()
+            self.graphs_run[r] += 1
+            key = self.graphs_run[r]  # the same on every rank: they run the same cases
+            self.drv.wait_value(stream.cuda_stream, self.base + GO_OFFSET, key)
+            t_ev[0].record(stream)
+            for _ in range(replays):
+                graph.replay()
+            t_ev[1].record(stream)
+            self.rank_barrier.wait()
+            if r == 0:
+                self.seg.set_word_at(GO_OFFSET, key)
+            t_ev[1].synchronize()
+            us = t_ev[0].elapsed_time(t_ev[1]) * 1000 / (replays * calls)
+        else:
+            t_ev[0].record(stream)
+            results = [call(i) for i in range(calls)]
+            t_ev[1].record(stream)
+            t_ev[1].synchronize()
+            us = t_ev[0].elapsed_time(t_ev[1]) * 1000 / calls
+        comm.check()
+        self.shared[("out", r)] = [t for t in results if t is not None]
+        stream.synchronize()
+        self.rank_barrier.wait()
+        wrong = self._count_wrong(case) if r == 0 and x is not None else 0
+        self.rank_barrier.wait()
+        row = {"us": us, "wrong": wrong, "calls": calls, "replays": replays if case.graph else 1}
+        if plan is not None:
+            d2h, h2d = plan.bytes_moved()
+            row.update(algorithm=plan.algorithm, d2h=plan.d2h, h2d=plan.h2d, pieces=plan.pieces,
+                       payload_bytes_d2h=d2h, payload_bytes_h2d=h2d)
+        if case.graph:
+            del graph
+        return row
+
+    def _count_wrong(self, case: Case) -> int:
+        import torch
+
+        xs = [self.shared[("x", j)] for j in range(self.world)]
+        outs = [self.shared[("out", j)] for j in range(self.world)]
+        if case.op == "all_gather":
+            ref = torch.cat(xs)
+            return sum(int((o.view(-1) != ref).sum()) for per in outs for o in per)
+        wrong = 0
+        if case.dtype == "int8":
+            exact = sum(t.double() for t in xs)
+            norm = exact.pow(2).mean().sqrt()
+            for per in outs:
+                for o in per:
+                    rel = (o.double() - exact).pow(2).mean().sqrt() / norm
+                    wrong += o.numel() if not rel <= 0.01 else 0
+        else:
+            acc = torch.zeros(xs[0].numel(), dtype=torch.float32, device=xs[0].device)
+            for t in xs:
+                acc += t.float()
+            ref = acc.to(xs[0].dtype)
+            wrong += sum(int((o != ref).sum()) for per in outs for o in per)
+        first = outs[0][0].view(torch.int16 if outs[0][0].element_size() == 2 else torch.int32)
+        for per in outs[1:]:
+            for o in per:
+                wrong += int((o.view(first.dtype) != first).sum())
+        return wrong
+
+
+
+def measure(args) -> dict:
+    import importlib.util
+
+    import torch
+    import triton
+
+    from glmctl.collectives.calibration import calibrate
+    from glmctl.collectives.communicator import DEFAULT_DIRECT
+
+    t_start = time.monotonic()
+    deadline = t_start + args.budget_s
+    spec = importlib.util.spec_from_file_location("hs_bench", ROOT / "bench" / "collectives.py")
+    hs_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hs_bench)
+    ceil = hs_bench.ceiling(64 * MiB)
+    print(f"ceiling: D2H {ceil['d2h']:.1f} GB/s, H2D {ceil['h2d']:.1f} GB/s, both at once "
+          f"{ceil['bidir_each']:.1f} GB/s each (64 MiB copies)", flush=True)
+    cal = calibrate(save=True)
+    engines = cal.engines()
+    print(f"calibrated copy engines: {engines}", flush=True)
+    doc = {"meta": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                    "triton": triton.__version__, "method": __doc__,
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "calibration": cal.model_dump(mode="json"), "default_direct": str(DEFAULT_DIRECT),
+                    "label": "measured on 1x H200, ranks as threads of one process (thread rig)"},
+           "ceiling": ceil, "raw": [], "skipped": [], "errors": []}
+    for phase in plan_phases(args.worlds, args.phases, args.max_mb):
+        if time.monotonic() > deadline - 5:
+            doc["skipped"] += [f"{phase.name} w{phase.world}: all {len(phase.cases)} cases"]
+            continue
+        t0 = time.monotonic()
+        try:
+            rig = Rig(phase.world, phase.max_bytes, engines, DEFAULT_DIRECT)
+        except Exception as exc:  # noqa: BLE001
+            doc["errors"].append(f"{phase.name} w{phase.world}: rig: {exc!r}")
+            print(doc["errors"][-1], flush=True)
+            continue
+        done = 0
+        for i, case in enumerate(phase.cases):
+            if time.monotonic() > deadline - 3:
+                doc["skipped"].append(f"{phase.name} w{phase.world}: {len(phase.cases) - i} cases")
+                break
+            res = rig.run(case)
+            bad = [x for x in res if not x or "error" in x]
+            if bad:
+                doc["errors"].append(f"{phase.name} w{phase.world} {case}: "
+                                     f"{(bad[0] or {}).get('error', 'no result')}")
+                print(doc["errors"][-1], flush=True)
+                break  # the rig's barriers are broken: the rest of the phase is lost
+            doc["raw"].append({"phase": phase.name, "world": phase.world, **case.__dict__,
+                               "rank_bytes": case.rank_bytes(), "us": max(x["us"] for x in res),
+                               **{k: v for k, v in res[0].items() if k != "us"}})
+            done += 1
+        rig.close()
+        print(f"{phase.name} w{phase.world}: {done}/{len(phase.cases)} cases in "
+              f"{time.monotonic() - t0:.0f} s (rig set-up {rig.setup_s:.1f} s)", flush=True)
+        write(args.out, doc)
+    doc["meta"]["seconds"] = round(time.monotonic() - t_start, 1)
+    return doc
+
+
+def write(out: Path, doc: dict) -> None:
+    rows = derive(doc["raw"], doc["ceiling"])
+    doc["rows"], doc["targets"] = rows, targets(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "collectives-h200-threads.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out / "collectives-h200-threads.json")
+    (out / "collectives-h200-threads.md").write_text(markdown(doc))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("out/collectives-threads"))
+    ap.add_argument("--budget-s", type=float, default=100.0)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--phases", nargs="+", default=["small", "sweep", "pipeline"])
+    ap.add_argument("--max-mb", type=int, default=256)
+    ap.add_argument("--from-json", type=Path, help="re-derive the report from an earlier run")
+    args = ap.parse_args()
+    if args.from_json:  # re-derive, and print the compact table
+        doc = json.loads(args.from_json.read_text())
+        write(args.out, doc)
+        print(compact_table(doc))
+    else:
+        write(args.out, measure(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

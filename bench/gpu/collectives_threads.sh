@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The thread rig of the host-staged collectives in one device call (about 120 s):
+#
+#   here:   ../shared/tools/gpu-wheels.sh        (.whl/: pydantic for glmctl.collectives)
+#   there:  OUT=/some/dir bash bench/gpu/collectives_threads.sh
+#
+# Ranks are threads of one process on GPU 0 (bench/gpu/collectives_threads.py says what that
+# measures and how); phases run in priority order (small-message paths, the sweep, pipelining)
+# until COLL_THREADS_BUDGET_S (default 95) runs out. Writes $OUT/collectives-h200-threads.json and
+# .md and $OUT/log.txt; the compact table comes last. Knobs: COLL_THREADS_WORLDS ("2 4 8"),
+# COLL_THREADS_PHASES ("small sweep pipeline"), COLL_THREADS_MAX_MB (256).
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out/collectives-threads}
+mkdir -p "$OUT"
+BUDGET=${COLL_THREADS_BUDGET_S:-95}
+{
+  echo "=== set-up ($(date +%T))"
+  for p in kernels quantize profiles; do [ -e "glmctl/$p" ] || ln -s "../$p" "glmctl/$p"; done
+  wheels=$(ls .whl/*.whl 2>/dev/null | grep -E '/(pydantic|pydantic_core|annotated_types|typing_inspection)-')
+  if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site $wheels || echo "installing the carried wheels failed"
+  fi
+  export PYTHONPATH=/tmp/site:$ROOT PYTHONUNBUFFERED=1 GLMCTL_CACHE=/tmp/glmctl-cache
+  python3 -c "import pydantic" 2>/dev/null || echo "no pydantic: carry .whl (../shared/tools/gpu-wheels.sh)"
+  nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
+  # the 8-rank segment of 256 MiB messages needs ~2.5 GB of /dev/shm; this machine is ours alone
+  if [ "$(df --output=avail -k /dev/shm | tail -1)" -lt 8000000 ]; then
+    mount -o remount,size=16G /dev/shm 2>/dev/null || echo "cannot enlarge /dev/shm: lower COLL_THREADS_MAX_MB"
+  fi
+  df -h /dev/shm | tail -1
+  echo "=== thread rig ($(date +%T), budget ${BUDGET}s)"
+  # shellcheck disable=SC2086
+  timeout -k 5 $((BUDGET + 20)) python3 bench/gpu/collectives_threads.py --out "$OUT" \
+    --budget-s "$BUDGET" --worlds ${COLL_THREADS_WORLDS:-2 4 8} \
+    --phases ${COLL_THREADS_PHASES:-small sweep pipeline} --max-mb "${COLL_THREADS_MAX_MB:-256}"
+  echo "thread rig rc=$? ($(date +%T))"
+  ls /dev/shm | grep glmctl-coll && echo "LEFTOVER SEGMENTS" || echo "no leftover segments"
+  echo
+  if [ -f "$OUT/collectives-h200-threads.json" ]; then
+    python3 bench/gpu/collectives_threads.py --from-json "$OUT/collectives-h200-threads.json" --out "$OUT"
+  else
+    echo "no results written"
+  fi
+} 2>&1 | tee "$OUT/log.txt"
