@@ -381,7 +381,7 @@ def measure(args) -> dict:
     import triton
 
     from glmctl.collectives.calibration import calibrate
-    from glmctl.collectives.communicator import DEFAULT_DIRECT
+    from glmctl.collectives.plan import DEFAULT_DIRECT
 
     t_start = time.monotonic()
     deadline = t_start + args.budget_s

@@ -16,6 +16,8 @@ direction at a time). Above 1 means the directions overlapped.
 
 from __future__ import annotations
 
+from glmctl.collectives import cost_model
+
 KiB, MiB = 1 << 10, 1 << 20
 LATENCY_LIMIT_US, SERIAL_EFF_TARGET, INT8_SPEEDUP_TARGET = 25.0, 0.8, 1.7
 
@@ -37,7 +39,8 @@ def derive(raw: list[dict], ceil: dict) -> list[dict]:
             row.update(bytes=size, rank_bytes=rank_bytes, algbw_GBps=round(algbw, 3),
                        busbw_GBps=round(algbw * factor, 3), algorithm=r["algorithm"],
                        d2h=r["d2h"], h2d=r["h2d"], pieces=r["pieces"],
-                       serial_copy_eff=round(serial / t, 3))
+                       payload_bytes_d2h=r["payload_bytes_d2h"],
+                       payload_bytes_h2d=r["payload_bytes_h2d"], serial_copy_eff=round(serial / t, 3))
         else:
             row.update(bytes=0, rank_bytes=0)
         rows.append(row)
@@ -145,6 +148,23 @@ def target_lines(checks: list[dict]) -> list[str]:
             f"{c['ratio']} ({'met' if c['met'] else 'NOT met'})" for c in checks]
 
 
+def model_lines(doc: dict) -> list[str]:
+    """The protocol costs this run measured, and the model's predictions for the report's node
+    with them (labelled predicted)."""
+    rows = doc.get("rows", [])
+    if not rows:
+        return []
+    costs = cost_model.costs_from_rows(rows, doc["ceiling"], source=f"fitted from this run "
+                                       f"({doc['meta']['measured_at']})")
+    if not costs.paths:
+        return []
+    merged = cost_model.ProtocolCosts(  # paths this run did not measure keep the module's costs
+        source=costs.source, paths={**cost_model.PROTOCOL_COSTS.paths, **costs.paths})
+    return ["protocol costs fitted from this run (us, base + per_peer * (ranks - 1)): "
+            + ", ".join(f"{p} {b:g}+{k:g}" for p, (b, k) in costs.paths.items()),
+            "predicted for the report's node with them:", *cost_model.report_lines(costs=merged)]
+
+
 def markdown(doc: dict) -> str:
     meta, ceil = doc["meta"], doc["ceiling"]
     rows = doc.get("rows", [])
@@ -154,7 +174,7 @@ def markdown(doc: dict) -> str:
           f"H2D {ceil['h2d']:.1f} GB/s, both at once {ceil['bidir_each']:.1f} GB/s each.", "",
           "Small messages by path (captured graphs, time per call in us):", "", small_table(rows), "",
           "Pipelining A/B (bf16, copy engine both ways):", "", pipeline_table(rows), "",
-          *target_lines(doc.get("targets", [])), "", sweep_table(rows), ""]
+          *target_lines(doc.get("targets", [])), "", *model_lines(doc), "", sweep_table(rows), ""]
     if doc.get("skipped"):
         md += ["Skipped for time: " + "; ".join(doc["skipped"]), ""]
     if doc.get("errors"):
@@ -180,7 +200,7 @@ def compact_table(doc: dict) -> str:
             cells.append(f"{hit[0]['time_us']:.0f} ({hit[0]['serial_copy_eff']:.2f})"
                          + (f" [{hit[0]['wrong']}]" if hit[0]["wrong"] else "") if hit else "-")
         out.append(f"{n:<5} {_size(b):<9} " + "".join(f"{c:<22}" for c in cells))
-    out += ["", *target_lines(doc.get("targets", []))]
+    out += ["", *model_lines(doc), "", *target_lines(doc.get("targets", []))]
     if doc.get("skipped"):
         out.append("skipped for time: " + "; ".join(doc["skipped"]))
     if doc.get("errors"):

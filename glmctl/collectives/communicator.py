@@ -37,6 +37,8 @@ from glmctl.collectives.calibration import CollectivesCalibration, calibrate, lo
 from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
 from glmctl.collectives.errors import CaptureMismatchError, CollectiveError, SegmentError
 from glmctl.collectives.plan import (
+    DEFAULT_DIRECT,
+    DEFAULT_DIRECT_CAPACITY,
     DEFAULT_GROUP,
     DEFAULT_ONE_SHOT_MAX_BYTES,
     MAX_PIECES,
@@ -64,10 +66,6 @@ from glmctl.collectives.staging import DirectArea, Staging
 from glmctl.collectives.watchdog import Watchdog
 
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_DIRECT_CAPACITY = 512 * 1024  # bytes per direct-path slot: LL messages up to 256 KiB
-# Direct-path limits used unless the caller passes its own (measured on the thread rig,
-# bench/results/collectives-h200-threads.md)
-DEFAULT_DIRECT = DirectLimits(ll_max_bytes=0, flag_max_bytes=0)
 
 
 def default_timeout_s() -> float:

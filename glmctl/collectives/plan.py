@@ -103,6 +103,12 @@ class DirectLimits:
         return None
 
 
+DEFAULT_DIRECT_CAPACITY = 512 * 1024  # bytes per direct-path slot: LL messages up to 256 KiB
+# The direct-path limits a communicator uses unless told otherwise (thread rig measurements,
+# bench/results/collectives-h200-threads.md)
+DEFAULT_DIRECT = DirectLimits(ll_max_bytes=0, flag_max_bytes=0, capacity=DEFAULT_DIRECT_CAPACITY)
+
+
 @dataclass(frozen=True)
 class Int8Layout:
     group: int
@@ -351,7 +357,7 @@ class PathOptions:
     engines: CopyEngines = CopyEngines()
     one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES
     piece_bytes: int = 0
-    direct: DirectLimits = DirectLimits()
+    direct: DirectLimits = DEFAULT_DIRECT
     int8_group: int = DEFAULT_GROUP
 
 

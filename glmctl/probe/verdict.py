@@ -7,23 +7,17 @@ Rules, in order of what an operator must do about them:
 - peer-to-peer: a pair the driver reports but whose write test failed or hung means vLLM's custom
   all-reduce would hang -> NCCL_P2P_DISABLE=1 and --disable-custom-all-reduce are required; without
   working P2P the collectives mode is host-staged unless NCCL measured faster at >= 1 MB;
-- prefill floor for a 256k prompt: the bytes tensor-parallel all-reduce pushes through host memory
-  divided by the measured host bandwidth (a prediction from a measurement, labelled as such).
+- prefill floor for a 256k prompt: the time of its tensor-parallel all-reduces host-staged, from
+  `glmctl.collectives.cost_model` with this node's measured host and pinned-copy bandwidth (a
+  prediction from measurements, labelled as such).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from glmctl.collectives import cost_model
 from glmctl.probe.report import DoctorReport
-
-PREFILL_TOKENS = 262_144
-# GLM-5.3-Flash shapes that set all-reduce volume (transformers 5.24 glm5_next defaults; the
-# planner's preset is the single source once it exists): hidden size, decoder layers, and two
-# all-reduces per layer (after attention's o_proj and after the MoE's down projection).
-GLM53_HIDDEN = 4096
-GLM53_LAYERS = 45
-ALL_REDUCES_PER_LAYER = 2
 
 
 class ProfileFit(BaseModel):
@@ -91,21 +85,30 @@ def host_bandwidth_gbps(report: DoctorReport) -> tuple[float, str] | None:
     return min(candidates) if candidates else None
 
 
-def prefill_floor(report: DoctorReport, tp: int) -> tuple[float, str] | None:
-    """Seconds of host-memory traffic for a 256k prefill's all-reduces at tensor parallel `tp`.
-
-    Host-staged reduce-scatter + all-gather of S bytes per rank moves about 3*tp*S bytes through
-    host memory (each rank writes S, reads its 1/tp share of all slots, writes the reduced share,
-    reads the tp-1 other shares). S per all-reduce = tokens * hidden * 2 bytes (bf16).
-    """
+def node_links(report: DoctorReport) -> cost_model.NodeLinks | None:
+    """The cost model's view of this node: measured host bandwidth, and the slowest GPU's pinned
+    copies (the reference node's 25 GB/s where they were not measured)."""
     host = host_bandwidth_gbps(report)
-    if host is None or tp < 2:
+    if host is None:
         return None
-    gbps, source = host
-    per_rank = PREFILL_TOKENS * GLM53_HIDDEN * 2 * GLM53_LAYERS * ALL_REDUCES_PER_LAYER
-    seconds = 3 * tp * per_rank / (gbps * 1e9)
-    method = (f"predicted: 3*{tp}*{per_rank / 1e9:.0f} GB of bf16 all-reduce traffic through host memory "
-              f"at the measured {gbps:.0f} GB/s ({source}); INT8 payloads roughly halve it")
+    pinned = {d: [m.gbps for m in report.bandwidth if m.name == f"pinned {d}"] for d in ("D2H", "H2D")}
+    ref = cost_model.L40_NODE
+    return cost_model.NodeLinks(
+        name=f"this node ({host[1]})", host_gbps=host[0],
+        link_d2h_gbps=min(pinned["D2H"]) if pinned["D2H"] else ref.link_d2h_gbps,
+        link_h2d_gbps=min(pinned["H2D"]) if pinned["H2D"] else ref.link_h2d_gbps)
+
+
+def prefill_floor(report: DoctorReport, tp: int) -> tuple[float, str] | None:
+    """Seconds of host-staged all-reduce in a 256k prefill at tensor parallel `tp` (bf16)."""
+    node = node_links(report)
+    if node is None or tp < 2:
+        return None
+    seconds = cost_model.prefill_all_reduce_s(tp, "bf16", node=node)
+    method = (f"predicted by glmctl.collectives.cost_model: {cost_model.PREFILL_TOKENS} tokens in "
+              f"chunks of {cost_model.PREFILL_CHUNK}, {cost_model.ALL_REDUCES_PER_LAYER} bf16 "
+              f"all-reduces per layer, host memory {node.host_gbps:.0f} GB/s measured, links "
+              f"{node.link_d2h_gbps:.0f}/{node.link_h2d_gbps:.0f} GB/s; INT8 payloads about halve it")
     return seconds, method
 
 

@@ -147,3 +147,39 @@ def test_pipelining_is_off_unless_asked(monkeypatch):
     assert default_piece_bytes() == 0
     monkeypatch.setenv("GLMCTL_COLLECTIVES_PIECE_KIB", "2048")
     assert default_piece_bytes() == 2 * MiB
+
+
+def test_direct_path_by_size_and_never_int8():
+    from glmctl.collectives.plan import DirectLimits
+
+    lim = DirectLimits(ll_max_bytes=16 * 1024, flag_max_bytes=256 * 1024, capacity=512 * 1024)
+    assert plan_all_reduce(4096, 2, 4, direct=lim).algorithm == "direct_ll"
+    flag = plan_all_reduce(64 * 1024, 2, 4, direct=lim)
+    assert (flag.algorithm, flag.barriers, flag.slot_stride) == ("direct", 0, 512 * 1024)
+    assert flag.bytes_moved() == (128 * 1024, 3 * 128 * 1024)
+    assert plan_all_reduce(4096, 2, 4, direct=lim).bytes_moved()[0] == 2 * 8192  # LL: 8 B per 4
+    assert plan_all_reduce(4096, 2, 4, int8=True, direct=lim).algorithm == "one_shot"
+    assert plan_all_reduce(256 * 1024, 2, 4, direct=lim).algorithm == "two_shot"  # 512 KiB: above
+    assert plan_all_gather(1000, 4, 8, direct=lim).algorithm == "direct_ll"
+    small_area = DirectLimits(ll_max_bytes=1 << 20, capacity=8192)  # LL needs twice the message
+    assert plan_all_reduce(2048, 2, 2, direct=small_area).algorithm == "direct_ll"
+    assert plan_all_reduce(2049, 2, 2, direct=small_area).algorithm == "one_shot"
+
+
+def test_messages_are_cut_into_calls_in_one_place():
+    from glmctl.collectives.plan import message_pieces
+
+    pieces = message_pieces(3 * MiB // 2 + 5, 2, MiB)
+    assert [c for _, c in pieces] == [MiB // 2, MiB // 2, MiB // 2, 5]
+    assert all(lo * 2 % ALIGN == 0 for lo, _ in pieces)
+    assert message_pieces(10, 4, MiB) == [(0, 10)]
+    assert message_pieces(1000, 2, 100) == [(lo, min(128, 1000 - lo)) for lo in range(0, 1000, 128)]
+
+
+def test_plan_call_falls_back_to_unpipelined_when_pieces_overflow():
+    from glmctl.collectives.plan import PathOptions, plan_call
+
+    opts = PathOptions(engines=CopyEngines.uniform("ce"), piece_bytes=MiB)
+    cap = slot_capacity(4 * MiB, 4)
+    assert plan_call("all_reduce", 2 * MiB, 2, 4, False, opts, cap).pieces > 0
+    assert plan_call("all_reduce", 4 * MiB, 2, 4, False, opts, slot_capacity(MiB, 4)) is None

@@ -57,7 +57,9 @@ def _run(world: int, calls: list[int], seed: int, programs=_programs) -> None:
                 moves.append(("drain", r))
             if pc[r] < len(progs[r]):
                 kind, addr, value = progs[r][pc[r]]
-                if kind != "wait" or mem.get(addr, 0) == value:
+                if kind == "waitge" and mem.get(addr, 0) >= value:
+                    moves.append(("step", r))
+                elif kind != "waitge" and (kind != "wait" or mem.get(addr, 0) == value):
                     moves.append(("step", r))
         if not moves:
             stuck = [progs[r][pc[r]] if pc[r] < len(progs[r]) else None for r in range(world)]
@@ -103,6 +105,59 @@ def test_one_barrier_per_call_would_be_unsafe():
     for seed in range(300):
         try:
             _run(world, [1] * 5, seed, programs=one_barrier_programs)
+        except BrokenProtocol:
+            failures += 1
+    assert failures > 0
+
+
+# ---- the direct path among barrier calls ----------------------------------------------------------
+
+
+def _mixed_programs(world: int, calls: list[str], parity: bool = True):
+    """Per rank, the ops of `calls`: "b2"/"b3" barrier calls as above, "flag" and "ll" direct-path
+    calls (`direct.py`): the payload into slot (epoch & 1, rank) of the direct area, then, for
+    "flag", the epoch into each peer's flag word (after the payload: the release) and a wait
+    until every peer's word reaches it; for "ll" the payload word itself carries the epoch and the
+    reader waits for it. Epochs count direct calls; nothing is ever reset."""
+    progs = []
+    for r in range(world):
+        ops, epoch = [], 0
+        peers = [j for j in range(world) if j != r]
+        for k, kind in enumerate(calls):
+            tag = k + 1  # what call k writes (0 is what memory holds before any write)
+            if kind in ("b2", "b3"):
+                ops += [(o[0], o[1], tag) if o[0] in ("write", "check") and o[1][0] in ("slot", "res")
+                        else o for o in _programs(world, [2 if kind == "b2" else 3])[r]]
+                continue
+            epoch += 1
+            q = epoch & 1 if parity else 0
+            ops.append(("write", ("dslot", q, r), tag))
+            if kind == "flag":
+                ops += [("write", ("df", r, j), epoch) for j in peers]
+                ops += [("waitge", ("df", j, r), epoch) for j in peers]
+            else:
+                ops += [("wait", ("dslot", q, j), tag) for j in peers]
+            ops += [("check", ("dslot", q, j), tag) for j in peers]
+        progs.append(ops)
+    return progs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_direct_calls_mixed_with_barrier_calls_never_break(world):
+    rng = random.Random(200 + world)
+    for seed in range(300):
+        calls = [rng.choice(("b2", "b3", "flag", "ll", "flag", "ll")) for _ in range(8)]
+        _run(world, calls, seed, programs=lambda w, c, calls=calls: _mixed_programs(w, calls))
+
+
+def test_direct_calls_need_two_parities():
+    """With one payload buffer, a fast rank's next call overwrites a slot a slow reader has not
+    read yet (a wrong read, or an LL reader waiting forever for an epoch already overwritten)."""
+    failures = 0
+    for seed in range(300):
+        calls = ["flag", "ll"] * 3
+        try:
+            _run(3, calls, seed, programs=lambda w, c, calls=calls: _mixed_programs(w, calls, False))
         except BrokenProtocol:
             failures += 1
     assert failures > 0

@@ -153,3 +153,27 @@ def test_every_flag_line_lies_between_the_gpu_words_and_the_data(world):
     finally:
         seg.unlink()
         seg.close()
+
+
+def test_direct_area_and_lines_fit_and_views_share_the_mapping(tmp_path):
+    from glmctl.collectives.segment import DIRECT_PROGRAMS, direct_flags_offset
+
+    world, direct = 4, 8192
+    seg = SharedSegment.create("direct", world, CAP, direct)
+    try:
+        assert seg.size == segment_bytes(world, CAP, direct) == os.path.getsize(seg.path)
+        last_flag = max(seg.flag_offset(f, s, d) for f in range(FLAGS) for s in range(world)
+                        for d in range(world))
+        lines = [seg.direct_flag_offset(c, d) for c in range(DIRECT_PROGRAMS) for d in range(world)]
+        assert min(lines) == direct_flags_offset(world) > last_flag
+        assert max(lines) + 64 <= seg.data_offset
+        assert seg.direct_offset + 2 * world * direct == seg.size
+        view = seg.view(2)
+        assert (view.rank, view.address) == (2, seg.address)
+        view.set_word_at(seg.direct_epoch_offset(2), 5)
+        assert seg.word_at(seg.direct_epoch_offset(2)) == 5
+        view.close()  # a view leaves the mapping alone
+        assert seg.words is not None
+    finally:
+        seg.unlink()
+        seg.close()

@@ -128,3 +128,18 @@ def test_watchdog_names_a_peer_that_exited(seg):
         assert time.monotonic() - t0 < 1
     finally:
         dog.stop()
+
+
+def test_a_direct_path_wait_names_the_peer_whose_epoch_lags(seg):
+    from glmctl.collectives.segment import DIRECT
+    from glmctl.collectives.watchdog import snapshot
+
+    seg.set_word_at(seg.direct_epoch_offset(0), 7)  # rank 0 started its 7th direct call
+    seg.set_word_at(seg.direct_epoch_offset(1), 6)  # rank 1 is still at its 6th
+    seg.set_word_at(seg.status_offset(0), 2 * DIRECT + 1)
+    snap = snapshot(seg)
+    assert snap.incoming[DIRECT] == (1, 0)
+    v = diagnose(snap, unchanged_s=5.0, timeout_s=5)
+    assert v.culprit == 1 and "direct-path" in v.message
+    seg.set_word_at(seg.direct_epoch_offset(1), 7)
+    assert diagnose(snapshot(seg), unchanged_s=5.0, timeout_s=5) is None
