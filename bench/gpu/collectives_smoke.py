@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Smoke check of the host-staged collectives on a GPU before the long tests: 2 ranks, one call of
-each kind, results checked, eager and graph timings printed. Exits non-zero on any failure."""
+"""Smoke check of the host-staged collectives on a GPU before the long tests: 2 and 4 processes,
+one call of each kind (the direct path's LL and flag-line formats too), results checked, eager and
+graph timings printed. Exits non-zero on any failure."""
 
 from __future__ import annotations
 
@@ -22,7 +23,24 @@ def rank_body(rank: int, world: int, session: str) -> dict:
     info = {"init_s": time.perf_counter() - t0, "engines": str(comm.copy_engines),
             "memops": comm._drv.memop_mode, "options": str(comm.options),
             "calibration": comm.calibration.model_dump() if comm.calibration else None}
+    from dataclasses import replace
+
+    from glmctl.collectives.plan import DirectLimits
+
     try:
+        base = comm.options
+        cap = base.direct.capacity
+        for kind, limits in (("ll", DirectLimits(ll_max_bytes=cap // 2, capacity=cap)),
+                             ("flag", DirectLimits(flag_max_bytes=cap, capacity=cap))):
+            comm.options = replace(base, direct=limits)
+            for numel in (4096, 3 << 15):
+                x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+                comm.all_reduce(x)
+                info[f"ar_direct_{kind}_{numel}_False"] = float((x.float() - sum(range(1, world + 1))).abs().max())
+                g = comm.all_gather(torch.full((numel // 4,), float(rank), device="cuda"), 0)
+                ref = torch.arange(world, device="cuda").repeat_interleave(numel // 4).float()
+                info[f"ag_direct_{kind}_{numel}_False"] = float((g - ref).abs().max())
+        comm.options = base
         for int8 in (False, True):
             for numel in (4096, 3 << 20):
                 x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device="cuda")

@@ -63,6 +63,19 @@ GO_OFFSET = 192  # a free header word: the start gate of every timed replay
 DIRECT_CAP = 512 * KiB
 
 
+class NullSync:
+    """A Sync that waits for nobody: a rank's solo dry run of a barrier path."""
+
+    def barrier(self, b, stream):
+        pass
+
+    def arrive(self, p, stream):
+        pass
+
+    def await_flag(self, p, stream):
+        pass
+
+
 @dataclass(frozen=True)
 class Case:
     op: str  # all_reduce | all_gather | barrier | launch
@@ -101,7 +114,16 @@ def variants(engines, default_direct):
     }
 
 
-def plan_phases(worlds: list[int], phases: list[str], max_mb: int) -> list[Phase]:
+def plan_phases(worlds: list[int], phases: list[str], max_mb: int,
+                skip: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> list[Phase]:
+    """The phases' cases, without variants in `skip` (only those in `only`, if given)."""
+    out = _all_phases(worlds, phases, max_mb)
+    for ph in out:
+        ph.cases = [c for c in ph.cases if c.variant not in skip and (not only or c.variant in only)]
+    return [ph for ph in out if any(c.op in ("all_reduce", "all_gather") for c in ph.cases)]
+
+
+def _all_phases(worlds: list[int], phases: list[str], max_mb: int) -> list[Phase]:
     sizes = [s for s in SIZES if s <= max_mb * MiB]
     decode_ar = [HIDDEN * t for t in DECODE_TOKENS]  # elements per rank
     logits = [VOCAB // TP_REF * t for t in DECODE_TOKENS]
@@ -111,7 +133,7 @@ def plan_phases(worlds: list[int], phases: list[str], max_mb: int) -> list[Phase
             ph = Phase("small", w, 4 * MiB)
             ph.cases += [Case("barrier", "bf16", 0, "memops-sm"), Case("launch", "bf16", 0, "memops-sm")]
             small = sorted({*(s // 2 for s in sizes if s <= 64 * KiB), *decode_ar[:4]})
-            for v in ("memops-sm", "direct-ll", "direct-flag", "memops-ce"):
+            for v in ("memops-sm", "direct-ll", "memops-ce", "direct-flag"):
                 ph.cases += [Case("all_reduce", "bf16", n, v) for n in small]
                 ph.cases += [Case("all_gather", "fp32", n, v, label=f"logits x{t} tokens")
                              for n, t in zip(logits[:3], DECODE_TOKENS[:3], strict=True)]
@@ -265,7 +287,7 @@ class Rig:
     def _run_rank(self, r: int, case: Case, stream) -> dict:
         import torch
 
-        from glmctl.collectives import kernels
+        from glmctl.collectives import datapath, kernels
 
         comm = self.comms[r]
         comm.options = replace(self.base_options[r], **self.variants[case.variant])
@@ -297,7 +319,22 @@ class Rig:
             return None
 
         plan = comm.plan(case.op, x, int8) if x is not None else None
-        with self.lock:  # compiles every kernel of the case outside any capture
+        with self.lock:
+            # First a solo dry run: it compiles and loads every kernel this rank's call launches
+            # while no wait on a peer is pending (in one context, loading a kernel may wait for
+            # the whole context, and a pending memory-op wait needs a peer that cannot run). The
+            # direct path launches its one kernel first thing, so it needs none (and must not:
+            # its epochs count real calls).
+            if case.op == "launch":
+                kernels.bump_progress(comm.staging.progress)
+            elif plan is not None and not plan.algorithm.startswith("direct"):
+                scratch = torch.empty(x.numel() * (self.world if case.op == "all_gather" else 1),
+                                      dtype=x.dtype, device=x.device)
+                datapath.enqueue(plan, comm.staging, NullSync(), x, scratch, stream.cuda_stream,
+                                 comm.side)
+            stream.synchronize()
+        self.rank_barrier.wait()
+        with self.lock:  # the real warm-up: compiles whatever the dry run did not
             call(0)
         stream.synchronize()  # never the whole device: another rank may be capturing
         self.rank_barrier.wait()
@@ -380,27 +417,36 @@ def measure(args) -> dict:
     import torch
     import triton
 
-    from glmctl.collectives.calibration import calibrate
+    from glmctl.collectives.calibration import CollectivesCalibration, calibrate
     from glmctl.collectives.plan import DEFAULT_DIRECT
 
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
-    spec = importlib.util.spec_from_file_location("hs_bench", ROOT / "bench" / "collectives.py")
-    hs_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hs_bench)
-    ceil = hs_bench.ceiling(64 * MiB)
-    print(f"ceiling: D2H {ceil['d2h']:.1f} GB/s, H2D {ceil['h2d']:.1f} GB/s, both at once "
-          f"{ceil['bidir_each']:.1f} GB/s each (64 MiB copies)", flush=True)
-    cal = calibrate(save=True)
+    path = args.out / "collectives-h200-threads.json"
+    old = json.loads(path.read_text()) if args.append and path.exists() else None
+    if old is not None:  # the same machine a moment ago: its ceiling and calibration
+        ceil = old["ceiling"]
+        cal = CollectivesCalibration.model_validate(old["meta"]["calibration"])
+    else:
+        spec = importlib.util.spec_from_file_location("hs_bench", ROOT / "bench" / "collectives.py")
+        hs_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(hs_bench)
+        ceil = hs_bench.ceiling(64 * MiB)
+        cal = calibrate(save=True)
     engines = cal.engines()
-    print(f"calibrated copy engines: {engines}", flush=True)
+    print(f"ceiling: D2H {ceil['d2h']:.1f} GB/s, H2D {ceil['h2d']:.1f} GB/s, both at once "
+          f"{ceil['bidir_each']:.1f} GB/s each (64 MiB copies); copy engines {engines}", flush=True)
     doc = {"meta": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                     "triton": triton.__version__, "method": __doc__,
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "calibration": cal.model_dump(mode="json"), "default_direct": str(DEFAULT_DIRECT),
                     "label": "measured on 1x H200, ranks as threads of one process (thread rig)"},
            "ceiling": ceil, "raw": [], "skipped": [], "errors": []}
-    for phase in plan_phases(args.worlds, args.phases, args.max_mb):
+    if old is not None:
+        for k in ("raw", "skipped", "errors"):
+            doc[k] = old.get(k, []) + doc[k]
+    for phase in plan_phases(args.worlds, args.phases, args.max_mb, tuple(args.skip),
+                             tuple(args.only)):
         if time.monotonic() > deadline - 5:
             doc["skipped"] += [f"{phase.name} w{phase.world}: all {len(phase.cases)} cases"]
             continue
@@ -411,18 +457,23 @@ def measure(args) -> dict:
             doc["errors"].append(f"{phase.name} w{phase.world}: rig: {exc!r}")
             print(doc["errors"][-1], flush=True)
             continue
-        done = 0
+        done, failed = 0, set()
         for i, case in enumerate(phase.cases):
             if time.monotonic() > deadline - 3:
                 doc["skipped"].append(f"{phase.name} w{phase.world}: {len(phase.cases) - i} cases")
                 break
+            if case.variant in failed:
+                continue
             res = rig.run(case)
             bad = [x for x in res if not x or "error" in x]
             if bad:
                 doc["errors"].append(f"{phase.name} w{phase.world} {case}: "
                                      f"{(bad[0] or {}).get('error', 'no result')}")
                 print(doc["errors"][-1], flush=True)
-                break  # the rig's barriers are broken: the rest of the phase is lost
+                failed.add(case.variant)  # the rig's barriers are broken: a fresh rig goes on
+                rig.close()
+                rig = Rig(phase.world, phase.max_bytes, engines, DEFAULT_DIRECT)
+                continue
             doc["raw"].append({"phase": phase.name, "world": phase.world, **case.__dict__,
                                "rank_bytes": case.rank_bytes(), "us": max(x["us"] for x in res),
                                **{k: v for k, v in res[0].items() if k != "us"}})
@@ -452,6 +503,9 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--phases", nargs="+", default=["small", "sweep", "pipeline"])
     ap.add_argument("--max-mb", type=int, default=256)
+    ap.add_argument("--skip", nargs="*", default=[], help="path variants to leave out")
+    ap.add_argument("--only", nargs="*", default=[], help="only these path variants")
+    ap.add_argument("--append", action="store_true", help="add to the rows already in --out")
     ap.add_argument("--from-json", type=Path, help="re-derive the report from an earlier run")
     args = ap.parse_args()
     if args.from_json:  # re-derive, and print the compact table

@@ -6,15 +6,29 @@
 #
 # Ranks are threads of one process on GPU 0 (bench/gpu/collectives_threads.py says what that
 # measures and how); phases run in priority order (small-message paths, the sweep, pipelining)
-# until COLL_THREADS_BUDGET_S (default 95) runs out. Writes $OUT/collectives-h200-threads.json and
-# .md and $OUT/log.txt; the compact table comes last. Knobs: COLL_THREADS_WORLDS ("2 4 8"),
+# until COLL_THREADS_BUDGET_S (default 65) runs out, then the direct path's flag-line variant
+# in a second process (COLL_THREADS_FLAG_BUDGET_S, default 12), then the multi-process smoke
+# (bench/gpu/collectives_smoke.py, COLL_THREADS_SMOKE_S, default 25; 0 skips it). Writes
+# $OUT/collectives-h200-threads.json and .md, smoke.log and log.txt; the compact table comes last. Knobs: COLL_THREADS_WORLDS ("2 4 8"),
 # COLL_THREADS_PHASES ("small sweep pipeline"), COLL_THREADS_MAX_MB (256).
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out/collectives-threads}
 mkdir -p "$OUT"
-BUDGET=${COLL_THREADS_BUDGET_S:-95}
+BUDGET=${COLL_THREADS_BUDGET_S:-65}   # the main run; the flag-line variant runs after it
+FLAG_BUDGET=${COLL_THREADS_FLAG_BUDGET_S:-12}
+SMOKE_S=${COLL_THREADS_SMOKE_S:-25}
+# run "$@" in its own process group and kill the whole group (spawned ranks included) after $1 s
+limit() {
+  local t=$1; shift
+  setsid "$@" & local pid=$!
+  ( sleep "$t"; kill -TERM -- "-$pid" 2>/dev/null; sleep 3; kill -KILL -- "-$pid" 2>/dev/null ) &
+  local watcher=$!
+  wait "$pid"; local rc=$?
+  kill "$watcher" 2>/dev/null
+  return $rc
+}
 {
   echo "=== set-up ($(date +%T))"
   for p in kernels quantize profiles; do [ -e "glmctl/$p" ] || ln -s "../$p" "glmctl/$p"; done
@@ -34,9 +48,22 @@ BUDGET=${COLL_THREADS_BUDGET_S:-95}
   echo "=== thread rig ($(date +%T), budget ${BUDGET}s)"
   # shellcheck disable=SC2086
   timeout -k 5 $((BUDGET + 20)) python3 bench/gpu/collectives_threads.py --out "$OUT" \
-    --budget-s "$BUDGET" --worlds ${COLL_THREADS_WORLDS:-2 4 8} \
+    --budget-s "$BUDGET" --worlds ${COLL_THREADS_WORLDS:-2 4 8} --skip direct-flag \
     --phases ${COLL_THREADS_PHASES:-small sweep pipeline} --max-mb "${COLL_THREADS_MAX_MB:-256}"
   echo "thread rig rc=$? ($(date +%T))"
+  # the flag-line variant (a system-scope atomic on host memory) in a process of its own: if this
+  # GPU or VM faults on it, the context it poisons is not the main run's
+  echo "=== thread rig, direct path with flag lines ($(date +%T), budget ${FLAG_BUDGET}s)"
+  # shellcheck disable=SC2086
+  timeout -k 5 $((FLAG_BUDGET + 15)) python3 bench/gpu/collectives_threads.py --out "$OUT" \
+    --budget-s "$FLAG_BUDGET" --worlds ${COLL_THREADS_WORLDS:-2 4 8} --only direct-flag \
+    --phases small --append
+  echo "flag-line run rc=$? ($(date +%T))"
+  if [ "$SMOKE_S" -gt 0 ]; then  # the production shape: one process per rank (time-sliced here)
+    echo "=== multi-process smoke, 2 and 4 processes ($(date +%T), limit ${SMOKE_S}s)"
+    limit "$SMOKE_S" python3 bench/gpu/collectives_smoke.py > "$OUT/smoke.log" 2>&1
+    echo "smoke rc=$? (0: every exact result exact)"; grep -E "^world" "$OUT/smoke.log" | cut -c1-400
+  fi
   ls /dev/shm | grep glmctl-coll && echo "LEFTOVER SEGMENTS" || echo "no leftover segments"
   echo
   if [ -f "$OUT/collectives-h200-threads.json" ]; then
