@@ -133,7 +133,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
     layout = kv_cache_layout(model, tp=tp, kv_cache_dtype=setup.kv_cache_dtype, num_spec=num_spec,
                              mtp_layers=mtp_layers, prefix_caching=prefix_caching,
                              kernel_block_size=setup.kernel_block_size, user_block_size=setup.block_size,
-                             glmctl_plugin=setup.glmctl_plugin)
+                             glmctl_plugin=setup.glmctl_plugin, platform=node.platform, cpu_amx=node.cpu_amx)
     memory = [MemoryLine(section="weights", key=w.group, label=w.label, bytes=w.bytes, basis=w.format)
               for w in weight_groups(model, tp, setup.weights)]
     notes: list[str] = []

@@ -18,10 +18,20 @@ Per-layer pages (one page holds `block_size` tokens of one layer):
   state (3 x heads x head_dim / tp, conv_kernel - 1 + num_speculative_tokens) in the model dtype and
   recurrent state (heads / tp, head_dim, head_dim) in fp32; padded to the MLA page.
 
-Block size, `Platform._align_hybrid_block_size` (platforms/interface.py) with CUDA's
-`_get_indexer_block_alignment` (platforms/cuda.py): start from the backend's block size, align to
-max(kernel block, block size, 128) so that block x (per-token MLA bytes in the cache dtype) covers
-one KDA state, then round up to a multiple of 32 x index_kpool.
+Block size (`resolve_block_size`), in the order vLLM sets it:
+1. the start. CUDA: `--block-size`, else the backend's preferred size
+   (`Platform.update_block_size_for_backend` phase 1, platforms/interface.py). vLLM CPU:
+   `CpuPlatform.check_and_update_config` (platforms/cpu.py) pins 16 for MLA models, over
+   `--block-size` too, unless the CPU has AMX tiles (then `--block-size`, else 128); glmctl's
+   plugin then raises it to `policy.kpool_block_size` (`config_hooks._fix_cpu_cache_config`).
+2. the hybrid alignment, `Platform._align_hybrid_block_size` (interface.py, "none"/"align" mamba
+   modes), on both platforms after the model is built: with a = max(smallest kernel block, the
+   block so far, 128), the block becomes a x cdiv(KDA state page, a x per-token MLA bytes in the
+   cache dtype), rounded up to a multiple of `_get_indexer_block_alignment`, and is never lowered.
+   That multiple is CUDA's 32 x index_kpool (platforms/cuda.py; the CPU platform has none), and
+   with glmctl's plugin `policy.kpool_indexer_alignment`, which the plugin installs in its place
+   (`adapters._install_kpool_block_alignment`): also large enough that one indexer page holds the
+   tail ring (1,024 at kpool 16 with no drafts, 1,536 with MTP-3).
 
 Grouping and capacity, `_get_kv_cache_groups_glm5_next`, `get_kv_cache_config_from_groups`,
 `get_max_concurrency_for_kv_cache_config` (v1/core/kv_cache_utils.py): all MLA + indexer layers
@@ -117,20 +127,42 @@ def kda_state_bytes(model: ModelSpec, tp: int, num_spec: int) -> tuple[int, int]
 
 
 def resolve_block_size(
-    model: ModelSpec, kv_cache_dtype: str, kda_page: int, kernel_block_size: int, user_block_size: int | None
+    model: ModelSpec, kv_cache_dtype: str, kda_page: int, kernel_block_size: int, user_block_size: int | None,
+    *, platform: str = "cuda", glmctl_plugin: bool = False, num_spec: int = 0, cpu_amx: bool = False,
 ) -> int:
     """vLLM's block size for a hybrid MLA/KDA model with the kpool indexer (prefix-caching modes
-    "none" and "align"; "all" is not served for this model)."""
-    block = user_block_size or kernel_block_size
+    "none" and "align"; "all" is not served for this model). See the module docstring."""
+    kpool_cache = model.has_indexer and model.index_kpool > 1
+    if platform == "cpu":
+        block = (user_block_size or 128) if cpu_amx else 16
+        if glmctl_plugin and kpool_cache:
+            from glmctl.plugin.policy import kpool_block_size
+
+            block = kpool_block_size(block, model.index_kpool, model.index_head_dim, num_spec)
+    else:
+        block = user_block_size or kernel_block_size
+    if not kda_page:
+        return block
     # the alignment uses the cache dtype's element size even for fp8_ds_mla (interface.py builds an
     # MLAAttentionSpec without the 656-byte record there)
     per_token = model.mla_head_size * _cache_dtype_bytes(model, kv_cache_dtype)
     align = max(kernel_block_size, block, MLA_MIN_BLOCK_ALIGNMENT)
     needed = align * cdiv(kda_page, align * per_token)
-    if model.index_kpool > 1:
-        indexer_align = model.index_kpool * PAGED_MQA_MIN_PAGE
+    indexer_align = _indexer_block_alignment(model, platform, glmctl_plugin, num_spec) if kpool_cache else None
+    if indexer_align:
         needed = indexer_align * cdiv(needed, indexer_align)
     return max(block, needed)
+
+
+def _indexer_block_alignment(model: ModelSpec, platform: str, glmctl_plugin: bool, num_spec: int) -> int | None:
+    """What `_get_indexer_block_alignment` answers: CUDA's 32 x kpool (the smallest paged-MQA pool
+    page), nothing on CPU; with glmctl's plugin its own multiple, combined with the platform's."""
+    stock = model.index_kpool * PAGED_MQA_MIN_PAGE if platform == "cuda" else None
+    if not glmctl_plugin:
+        return stock
+    from glmctl.plugin.policy import kpool_indexer_alignment
+
+    return kpool_indexer_alignment(model.index_kpool, model.index_head_dim, num_spec, stock)
 
 
 def kv_cache_layout(
@@ -144,6 +176,8 @@ def kv_cache_layout(
     kernel_block_size: int = 64,
     user_block_size: int | None = None,
     glmctl_plugin: bool = True,
+    platform: str = "cuda",
+    cpu_amx: bool = False,
 ) -> KvCacheLayout:
     """The layout vLLM builds on each GPU. `mtp_layers`: MTP layers whose KV joins the pool.
 
@@ -151,18 +185,21 @@ def kv_cache_layout(
     kpool tail ring holds `kpool + drafts - 1` tokens under MTP (vLLM's one-pool ring loses
     accepted tokens when a draft is rejected) and whose block-size rule grows the block until the
     indexer page can hold that tail (`glmctl.plugin.policy`, the one place both rules live).
-    False plans stock vLLM 0.30 (what tests/vllm/test_plan_vs_vllm.py compares with).
+    False plans stock vLLM 0.30. `platform`: "cuda" or "cpu" (vLLM CPU starts from another block
+    size; `cpu_amx`: the CPU has AMX tiles). `kernel_block_size`: the sparse-MLA backend's smallest
+    kernel block (glmctl's: 16; FlashMLA-sparse: 64); below 128 it never changes the result for
+    this model.
     """
     conv, recurrent = kda_state_bytes(model, tp, num_spec)
     num_kda = len(model.kda_layers)
     block = resolve_block_size(model, kv_cache_dtype, conv + recurrent if num_kda else 0,
-                               kernel_block_size, user_block_size)
+                               kernel_block_size, user_block_size, platform=platform,
+                               glmctl_plugin=glmctl_plugin, num_spec=num_spec, cpu_amx=cpu_amx)
     ring = model.index_kpool
     if glmctl_plugin and model.has_indexer and model.index_kpool > 1:
-        from glmctl.plugin.policy import kpool_block_size, kpool_tail_ring
+        from glmctl.plugin.policy import kpool_tail_ring
 
         ring = kpool_tail_ring(model.index_kpool, num_spec)
-        block = kpool_block_size(block, model.index_kpool, model.index_head_dim, num_spec)
     num_mla = len(model.mla_layers) + mtp_layers
     mla_tok = mla_bytes_per_token(model, kv_cache_dtype)
     kpool = model.index_kpool

@@ -78,6 +78,7 @@ class NodeSpec(BaseModel):
     memory_source: str
     gpu_model: str | None = None
     kv_cache_bytes: int | None = None  # fixed KV space (CPU, or --kv-cache-gib); skips profiling
+    cpu_amx: bool = False  # vLLM CPU: AMX tiles let its MLA path keep --block-size (platforms/cpu.py)
     constants: NodeConstants = NodeConstants()
 
 
@@ -160,7 +161,17 @@ def cpu_node(kv_cache_gib: float | None = None) -> NodeSpec:
         device_memory_bytes=total,
         memory_source=f"host RAM (/proc/meminfo); KV space {source}",
         kv_cache_bytes=int(kv_cache_gib * GIB),
+        cpu_amx=_cpu_has_amx_tiles(),
     )
+
+
+def _cpu_has_amx_tiles() -> bool:
+    """What `torch.cpu._is_amx_tile_supported()` answers on Linux, read from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return any(line.startswith("flags") and " amx_tile" in line for line in fh)
+    except OSError:
+        return False
 
 
 def _host_memory_bytes() -> int:

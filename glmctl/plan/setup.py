@@ -172,7 +172,7 @@ class ServingSetup(BaseModel):
     max_cudagraph_capture_size: int | None = None
     enable_prefix_caching: bool | None = None  # None: vLLM's default (on for CUDA, off on CPU)
     block_size: int | None = None  # --block-size; vLLM may still raise it (hybrid alignment)
-    kernel_block_size: int = 64  # the sparse-MLA backend's smallest kernel block (FlashMLA-sparse: 64)
+    kernel_block_size: int = 64  # smallest sparse-MLA kernel block (glmctl 16, FlashMLA-sparse 64; <128: no effect)
     glmctl_plugin: bool = True  # plan vLLM with glmctl's plugin (its MTP tail ring and block rule)
     session_tokens: int = 262_144  # the report's "session": 256k tokens
 

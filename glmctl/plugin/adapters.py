@@ -65,10 +65,10 @@ def _register_indexer() -> str:
 def _install_kpool_block_alignment() -> str:
     """vLLM's hook for the indexer's block-size multiple (`_get_indexer_block_alignment`, used
     when it sizes hybrid blocks) knows only the 32 * kpool page rule; the kpool tail page must
-    also fit the indexer page (`policy.kpool_block_size`), else vLLM asserts on small models."""
+    also fit the indexer page (`policy.kpool_indexer_alignment`), else vLLM asserts on small models."""
     from vllm.platforms import current_platform
 
-    from glmctl.plugin.policy import kpool_block_size, num_speculative_tokens
+    from glmctl.plugin.policy import kpool_indexer_alignment, num_speculative_tokens
 
     platform_cls = type(current_platform)
     stock = platform_cls._get_indexer_block_alignment
@@ -80,10 +80,8 @@ def _install_kpool_block_alignment() -> str:
         kpool = getattr(text, "index_kpool", None)
         if not getattr(text, "index_topk", None) or not kpool or kpool <= 1:
             return stock(vllm_config)
-        ours = kpool_block_size(1, kpool, getattr(text, "index_head_dim", None) or 128,
-                                num_speculative_tokens(vllm_config))
-        theirs = stock(vllm_config) or 1
-        return max(ours, theirs) if max(ours, theirs) % min(ours, theirs) == 0 else ours * theirs
+        return kpool_indexer_alignment(kpool, getattr(text, "index_head_dim", None) or 128,
+                                       num_speculative_tokens(vllm_config), stock(vllm_config))
 
     _get_indexer_block_alignment._glmctl = True
     platform_cls._get_indexer_block_alignment = classmethod(_get_indexer_block_alignment)

@@ -135,6 +135,18 @@ def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: i
     return size
 
 
+def kpool_indexer_alignment(index_kpool: int, index_head_dim: int = 128, num_speculative_tokens: int = 0,
+                            stock_alignment: int | None = None) -> int:
+    """The block-size multiple the plugin reports to vLLM's hybrid block sizing
+    (`Platform._get_indexer_block_alignment`): `kpool_block_size(1, ...)` (the 32 * kpool page
+    rule plus room for the tail ring in one indexer page), combined with the platform's own
+    multiple (`stock_alignment`; CUDA: 32 * kpool, CPU: none) so that both divide the result."""
+    ours = kpool_block_size(1, index_kpool, index_head_dim, num_speculative_tokens)
+    theirs = stock_alignment or 1
+    high, low = max(ours, theirs), min(ours, theirs)
+    return high if high % low == 0 else ours * theirs
+
+
 def num_speculative_tokens(vllm_config) -> int:
     spec = getattr(vllm_config, "speculative_config", None)
     return int(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0

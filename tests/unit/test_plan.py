@@ -83,16 +83,21 @@ def test_other_architectures_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "block", "mla_page", "idx_page", "tokens"),
+    ("dtype", "plugin", "block", "mla_page", "idx_page", "tokens"),
     [  # GLM-5.3-Flash, TP 8, no drafter, prefix caching on, 3,463,600,000 bytes for KV
-        ("auto", 1024, 1_048_576, 8_448, 293_799),
-        ("bf16", 1024, 1_048_576, 8_448, 293_799),
-        ("fp8", 1536, 786_432, 12_672, 573_804),
-        ("fp8_ds_mla", 1536, 1_007_616, 12_672, 448_557),
+        ("auto", False, 1024, 1_048_576, 8_448, 293_799),
+        ("bf16", False, 1024, 1_048_576, 8_448, 293_799),
+        ("fp8", False, 1536, 786_432, 12_672, 573_804),
+        ("fp8_ds_mla", False, 1536, 1_007_616, 12_672, 448_557),
+        # glmctl's plugin reports a 1,024 block multiple (tail ring in one indexer page): 1,152 -> 2,048
+        ("auto", True, 1024, 1_048_576, 8_448, 293_799),
+        ("fp8", True, 2048, 1_048_576, 16_896, 564_470),
+        ("fp8_ds_mla", True, 2048, 1_343_488, 16_896, 442_009),
     ],
 )
-def test_page_sizes_and_tokens_per_kv_dtype(glm, dtype, block, mla_page, idx_page, tokens):
-    layout = kv_cache_layout(glm, tp=8, kv_cache_dtype=dtype, num_spec=0, mtp_layers=0, prefix_caching=True)
+def test_page_sizes_and_tokens_per_kv_dtype(glm, dtype, plugin, block, mla_page, idx_page, tokens):
+    layout = kv_cache_layout(glm, tp=8, kv_cache_dtype=dtype, num_spec=0, mtp_layers=0, prefix_caching=True,
+                             glmctl_plugin=plugin)
     assert (layout.block_size, layout.mla_page_bytes, layout.indexer_page_bytes) == (block, mla_page, idx_page)
     assert (layout.tail_page_bytes, layout.kda_state_bytes, layout.num_kda_groups) == (8_192, 542_720, 4)
     assert layout.error is None
