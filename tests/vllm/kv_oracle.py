@@ -29,6 +29,12 @@ What is a stand-in, and why:
   them needs a CUDA attention backend that the CPU platform refuses for sparse MLA.
 - The attention backend handed to the block-size alignment is a class with FlashMLA-sparse's
   kernel block sizes (vLLM's FlashMLA-sparse module imports CUDA kernels).
+
+Request `"plugin": true` installs glmctl's plugin block rule the way the plugin does
+(`glmctl.plugin.adapters._install_kpool_block_alignment` on the platform class). `"platform":
+"cpu"` runs vLLM's `CpuPlatform` alignment instead, from the block vLLM CPU starts with for MLA
+models (16, `CpuPlatform.check_and_update_config`, stated here: that method needs a real model
+config) raised by the plugin's own CPU hook (`config_hooks._fix_cpu_cache_config`, called).
 """
 
 from __future__ import annotations
@@ -149,10 +155,23 @@ def compute(request: dict) -> dict:
             return kda_layer.get_state_dtype()
 
     ModelRegistry.resolve_model_cls = lambda *a, **k: (Glm5NextStandIn, cfg["architectures"][0])
-    cache_config.block_size = request["kernel_block_size"]  # phase 1: backend's preferred size
-    if request.get("user_block_size"):
-        cache_config.block_size = request["user_block_size"]
-    Sm89Cuda._align_hybrid_block_size(vllm_config, SparseMlaBackend)
+    platform_cls = Sm89Cuda
+    if request.get("platform") == "cpu":
+        from vllm.platforms.cpu import CpuPlatform
+
+        platform_cls = CpuPlatform
+        cache_config.block_size = 16  # CpuPlatform.check_and_update_config: CPU MLA pins 16
+        if request.get("plugin"):
+            from glmctl.plugin.config_hooks import _fix_cpu_cache_config
+
+            _fix_cpu_cache_config(vllm_config)
+    else:
+        cache_config.block_size = request["kernel_block_size"]  # phase 1: backend's preferred size
+        if request.get("user_block_size"):
+            cache_config.block_size = request["user_block_size"]
+    if request.get("plugin"):
+        _install_plugin_block_rule(platform_cls)
+    platform_cls._align_hybrid_block_size(vllm_config, SparseMlaBackend)
     if cache_config.mamba_cache_mode == "align":
         cache_config.mamba_block_size = cache_config.block_size
 
@@ -213,6 +232,35 @@ def compute(request: dict) -> dict:
     return result
 
 
+def _install_plugin_block_rule(platform_cls) -> None:
+    """The plugin's own installers of its block rule (on the current platform's class, here
+    `platform_cls`) and of its tail ring (`Glm5NextTailCache.get_kv_cache_spec`)."""
+    import vllm.platforms as platforms
+
+    from glmctl.plugin.adapters import _install_kpool_block_alignment
+    from glmctl.plugin.mtp import _install_tail_ring
+
+    saved = platforms._current_platform
+    platforms._current_platform = platform_cls()
+    try:
+        _install_kpool_block_alignment()
+    finally:
+        platforms._current_platform = saved
+    _install_tail_ring()
+
+
+def compute_isolated(request: dict) -> dict:
+    """`compute`, with the plugin's class patches undone afterwards (so the stock cases of the same
+    process stay stock; CpuPlatform keeps its patch, only plugin cases run on it)."""
+    from vllm.models.glm5next.nvidia.attention import Glm5NextTailCache
+
+    tail_spec = Glm5NextTailCache.get_kv_cache_spec
+    try:
+        return compute(request)
+    finally:
+        Glm5NextTailCache.get_kv_cache_spec = tail_spec
+
+
 def _mla_cache_dtypes(backend: str | None, cache_dtype: str) -> tuple[str, str]:
     """(the MLA layer's cache dtype with the requested backend, with one named
     FLASHMLA_SPARSE), from vLLM's own mapping."""
@@ -235,4 +283,5 @@ def _mla_cache_dtypes(backend: str | None, cache_dtype: str) -> tuple[str, str]:
 
 if __name__ == "__main__":
     requests = json.loads(sys.argv[1])
-    print("@@" + json.dumps([compute(r) for r in requests]))
+    _bare_glm5next_package()
+    print("@@" + json.dumps([compute_isolated(r) for r in requests]))

@@ -34,6 +34,8 @@ pytestmark = pytest.mark.vllm
 
 FULL_KV_BYTES = 3_463_600_000  # the report's first pool, roughly
 TINY_KV_BYTES = 1 << 30
+H200_RUN_KV_BYTES = int(47.84 * (1 << 30))  # "Available KV cache memory: 47.84 GiB" (TP8 rank model, H200)
+H200_RUN_KV_TOKENS = 3_988_593  # what that run's vLLM logged
 
 
 def _cases(full: str, tiny: str) -> list[dict]:
@@ -66,11 +68,43 @@ def _cases(full: str, tiny: str) -> list[dict]:
     return cases
 
 
+def _rank_cases(full: str, rank: str) -> list[dict]:
+    """One TP8 rank of GLM-5.3-Flash as a TP1 model, with glmctl's plugin: the H200 run's setup
+    (fp8 KV, 8,192 tokens, prefix caching off, 47.84 GiB) first, then MTP-3, prefix caching,
+    262,144 tokens, the TP8 node itself, and vLLM CPU's path."""
+    base = dict(config=rank, tp=1, kernel_block_size=16, backend="glmctl", plugin=True, kv_cache_dtype="fp8",
+                num_spec=0, prefix_caching=False, max_model_len=8192, available_bytes=H200_RUN_KV_BYTES)
+    return [
+        base,
+        dict(base, num_spec=3),
+        dict(base, prefix_caching=True),
+        dict(base, num_spec=3, prefix_caching=True, max_model_len=262_144),
+        dict(base, kv_cache_dtype="auto", num_spec=3, max_model_len=262_144),
+        dict(base, config=full, tp=8),
+        dict(base, config=full, tp=8, num_spec=3, max_model_len=262_144),
+        dict(base, platform="cpu", available_bytes=TINY_KV_BYTES),
+        dict(base, platform="cpu", num_spec=3, available_bytes=TINY_KV_BYTES),
+        dict(base, platform="cpu", kv_cache_dtype="auto", available_bytes=TINY_KV_BYTES),
+    ]
+
+
 @pytest.fixture(scope="module")
-def oracle(tmp_path_factory, tiny_checkpoint):
+def rank_config_json(tmp_path_factory) -> str:
+    from glmctl.plan.rank import rank_model_spec
+    from glmctl.testing.rank_config import rank_hf_config
+
+    rank = rank_model_spec(load_model_spec("glm-5.3-flash"), 8)
+    path = tmp_path_factory.mktemp("rank") / "config.json"
+    path.write_text(json.dumps(rank_hf_config(rank, {"stop_token_ids": [0], "pad_token_id": 0},
+                                              GLM53_FLASH["indexer_types"], experts="fp8")))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory, tiny_checkpoint, rank_config_json):
     full = tmp_path_factory.mktemp("glm53") / "config.json"
     full.write_text(json.dumps(GLM53_FLASH))
-    cases = _cases(str(full), str(tiny_checkpoint.path / "config.json"))
+    cases = _cases(str(full), str(tiny_checkpoint.path / "config.json")) + _rank_cases(str(full), rank_config_json)
     proc = subprocess.run([sys.executable, "tests/vllm/kv_oracle.py", json.dumps(cases)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
@@ -84,7 +118,8 @@ def _planner(case: dict):
         model, tp=case["tp"], kv_cache_dtype=case["kv_cache_dtype"], num_spec=case["num_spec"],
         mtp_layers=model.num_nextn_predict_layers if case["num_spec"] else 0,
         prefix_caching=case["prefix_caching"], kernel_block_size=case["kernel_block_size"],
-        user_block_size=case.get("user_block_size"), glmctl_plugin=False,  # the oracle is stock vLLM
+        user_block_size=case.get("user_block_size"), glmctl_plugin=case.get("plugin", False),
+        platform=case.get("platform", "cuda"),
     )
     return layout, kv_capacity(layout, case["available_bytes"], case["max_model_len"])
 
@@ -93,7 +128,8 @@ def test_layouts_and_capacity_equal_vllms(oracle):
     checked = refused = 0
     for case, vllm in oracle:
         layout, capacity = _planner(case)
-        label = {k: case[k] for k in ("config", "tp", "kv_cache_dtype", "num_spec", "prefix_caching")}
+        label = {k: case.get(k) for k in ("config", "tp", "kv_cache_dtype", "num_spec", "prefix_caching",
+                                          "plugin", "platform", "max_model_len")}
         pages = {kind: pairs[0] for kind, pairs in vllm["pages"].items()}
         assert all(len(pairs) == 1 for pairs in vllm["pages"].values()), (label, vllm["pages"])
         assert vllm["mla_kv_cache_dtype"] == case["kv_cache_dtype"], label  # no remapping
@@ -116,14 +152,30 @@ def test_layouts_and_capacity_equal_vllms(oracle):
         assert capacity.kv_tokens == vllm["kv_tokens"], label
         assert capacity.max_concurrency == pytest.approx(vllm["max_concurrency"]), label
         checked += 1
-    assert checked >= 10 and refused == 2  # the tiny bf16 layout and the 1-request-does-not-fit case
+    assert checked >= 20 and refused == 2  # the tiny bf16 layout and the 1-request-does-not-fit case
+
+
+def test_rank_model_of_the_h200_run_is_the_planners(oracle, rank_config_json):
+    """The TP8 rank model vLLM logged 3,988,593 KV tokens for on the H200 (block 2,048; groups
+    [2048, 16, 8192 x 4]: MLA + indexer, the tail, four KDA groups in "none" mode): vLLM's own
+    functions with glmctl's block rule give the same, and so does the planner; the TP8 node's GPU
+    has the same layout."""
+    rank = next(vllm for case, vllm in oracle if case["config"] == rank_config_json)
+    node = next(vllm for case, vllm in oracle if case.get("plugin") and case["tp"] == 8
+                and case["max_model_len"] == 8192)
+    assert rank["block_size"] == 2048 and rank["kv_tokens"] == H200_RUN_KV_TOKENS
+    assert [kind for kind, _ in rank["groups"]] == ["UniformTypeKVCacheSpecs"] * 2 + ["MambaSpec"] * 4
+    assert (node["block_size"], node["num_blocks"], node["kv_tokens"]) == (
+        rank["block_size"], rank["num_blocks"], rank["kv_tokens"])
+    layout, capacity = _planner(next(case for case, _ in oracle if case["config"] == rank_config_json))
+    assert (layout.block_size, capacity.kv_tokens) == (2048, H200_RUN_KV_TOKENS)
 
 
 def test_fp8_page_for_glmctls_backend_is_the_planners_512_byte_row(oracle):
     """`--kv-cache-dtype fp8` with glmctl's sparse-MLA backend: vLLM keeps `fp8` (its mapping to
     the 656-byte fp8_ds_mla record is for a backend named FLASHMLA_SPARSE only), and its own
     MLAAttentionSpec page is block_size x the planner's `mla_bytes_per_token(..., "fp8")` = 512
-    bytes per token, for the full GLM-5.3-Flash config and for the tiny checkpoint."""
+    bytes per token, for the full GLM-5.3-Flash config, the TP8 rank model and the tiny checkpoint."""
     from glmctl.plan.kv_cache import mla_bytes_per_token
 
     seen = set()
@@ -137,4 +189,4 @@ def test_fp8_page_for_glmctls_backend_is_the_planners_512_byte_row(oracle):
         assert mla_page == vllm["block_size"] * mla_bytes_per_token(model, case["kv_cache_dtype"])
         assert mla_page == vllm["block_size"] * 512
         seen.add((case["config"], case["kv_cache_dtype"]))
-    assert len(seen) == 3  # full fp8, full fp8_e4m3, tiny fp8
+    assert len(seen) == 4  # full fp8, full fp8_e4m3, tiny fp8, the TP8 rank model fp8
