@@ -10,12 +10,17 @@ case: block size, the page of every layer kind (MLA, indexer K cache, indexer ta
 number of KDA groups, the number of blocks, the KV tokens vLLM would log, and whether vLLM refuses
 the layout or the memory.
 
+The same with glmctl's plugin (its block rule and MTP tail ring, installed by the plugin's own
+installers) for one TP8 rank of GLM-5.3-Flash served as a TP1 model (`glmctl testing rank-config`),
+on vLLM CUDA's alignment (the H200 run's setup, whose logged 3,988,593 tokens are asserted) and on
+vLLM CPU's. And end to end: vLLM CPU itself (`vllm serve`, the plugin, `--load-format dummy`) builds
+a 4-layer, dense-MLP cut of that rank model and logs the KV tokens `glmctl plan --cpu` predicts.
+
 What cannot be compared on CPU, and why: the memory vLLM finds available for KV
-(`Worker.determine_available_memory`) is measured on a GPU with the weights loaded, and the model
-cannot be constructed on CPU (vLLM's CPU platform has no sparse-MLA backend). So weights, reserves
-and the budget are not compared here; the per-layer pages and everything from "available bytes" to
-"KV tokens" is, for the full config as well as the tiny one. The oracle's stand-ins (model config,
-layer attribute holders) are listed in its docstring.
+(`Worker.determine_available_memory`) is measured on a GPU with the weights loaded. So weights,
+reserves and the budget are not compared here; the per-layer pages and everything from "available
+bytes" to "KV tokens" is. The oracle's stand-ins (model config, layer attribute holders) are listed
+in its docstring.
 """
 
 from __future__ import annotations
@@ -190,3 +195,31 @@ def test_fp8_page_for_glmctls_backend_is_the_planners_512_byte_row(oracle):
         assert mla_page == vllm["block_size"] * 512
         seen.add((case["config"], case["kv_cache_dtype"]))
     assert len(seen) == 4  # full fp8, full fp8_e4m3, tiny fp8, the TP8 rank model fp8
+
+
+def test_vllm_cpu_serves_a_rank_model_cut_with_the_planners_kv_tokens(tmp_path_factory):
+    """vLLM CPU with the plugin builds the TP8 rank model's first four layers (dense MLPs, no MTP:
+    the same KV layout, 0.6 GiB of random weights) and logs the KV tokens and block size the planner
+    predicts for its 1 GiB of fp8 KV. (Generation is not asked for: this is about the allocation.)"""
+    import re
+
+    from glmctl.plan import ServingSetup, WeightFormats, cpu_node, plan_capacity
+    from glmctl.testing.rank_config import build_rank_config
+    from tests.vllm.plugin_servers import start_server
+
+    root = tmp_path_factory.mktemp("rank-cut")
+    info = build_rank_config(root / "rank", tp=8, num_layers=4, mtp_layers=0, dense_mlps=True)
+    server = start_server(info.path, root / "vllm.log", "--load-format", "dummy", "--kv-cache-dtype", "fp8")
+    try:
+        log = server.log_text()
+    finally:
+        server.stop()
+    tokens = re.search(r"CPU KV cache size: ([\d,]+) tokens", log)
+    block = re.search(r"Setting attention block size to (\d+) tokens", log)
+    assert tokens and block, log[-4000:]
+    model = load_model_spec(info.path)
+    plan = plan_capacity(model, cpu_node(1.0), ServingSetup(
+        tensor_parallel_size=1, weights=WeightFormats.for_checkpoint(model.checkpoint_quant),
+        kv_cache_dtype="fp8", max_model_len=4096))  # plugin_servers: 4,096 tokens, 1 GiB of KV
+    assert (plan.setup.block_size, plan.kv_tokens) == (int(block.group(1)), int(tokens.group(1).replace(",", "")))
+    assert plan.setup.block_size == 2048
