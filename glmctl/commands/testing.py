@@ -1,4 +1,4 @@
-"""`glmctl testing ...`: helpers for the project's own tests and demo (the tiny checkpoint)."""
+"""`glmctl testing ...`: helpers for the project's own tests and demo (the tiny checkpoint, the rank model)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import typer
 
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
-app = typer.Typer(help="Test fixtures: the tiny GLM-5.3-Flash checkpoint.", no_args_is_help=True)
+app = typer.Typer(help="Test fixtures: the tiny GLM-5.3-Flash checkpoint and one TP rank of the real one.",
+                  no_args_is_help=True)
 
 
 @app.command(
@@ -88,6 +89,79 @@ def _render(console, s: dict) -> None:
         ("files", ", ".join(f"{n} ({b / 2**20:.1f} MiB)" if b > 2**20 else n for n, b in s["files"].items())),
         ("size", f"{s['bytes'] / 2**20:.1f} MiB, built in {s['build_seconds']} s (seed {s['seed']})"),
     ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+@app.command(
+    "rank-config",
+    epilog=examples(
+        "glmctl testing rank-config out/rank-tp8 --tp 8",
+        "glmctl testing rank-config out/rank-tp8-exl3 --tp 8 --experts exl3",
+        "glmctl testing rank-config out/rank-cut --num-layers 4 --mtp-layers 0 --dense-mlps --json",
+    ),
+)
+def rank_config(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to write the rank model's directory.")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size the rank belongs to.")] = 8,
+    experts: Annotated[str, typer.Option("--experts", help="bf16, fp8 (block-FP8 quantization_config) or exl3 "
+                                         "(glmctl_exl3: EXL3 routed experts, FP8 rest).")] = "bf16",
+    exl3_bits: Annotated[int, typer.Option("--exl3-bits", help="EXL3 bits per expert weight.")] = 4,
+    num_layers: Annotated[int | None, typer.Option("--num-layers", help="Keep the first N layers (default all 45).")]
+    = None,
+    mtp_layers: Annotated[int | None, typer.Option("--mtp-layers", help="MTP layers (default the preset's 1).")] = None,
+    dense_mlps: Annotated[bool, typer.Option("--dense-mlps", help="Every MLP dense: no MoE weights (KV-layout tests).")]
+    = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace DIR if it is not empty.")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write ONE tensor-parallel rank of GLM-5.3-Flash as a TP1 model: config.json, generation config
+    and a tokenizer, no weights (serve it with `--load-format dummy`).
+
+    Heads, KDA heads, expert / shared / dense intermediate sizes and the vocabulary are split as vLLM
+    0.30 splits them; the indexer, latent, top-k, kpool, layers and MTP module are replicated and
+    kept. Also prints the weight bytes per GPU `glmctl plan` predicts for the node and for this model.
+    """
+    from glmctl._cli.output import Output
+    from glmctl.errors import require_module
+
+    out = Output.from_flags(json_, quiet)
+    require_module("tokenizers", "cpu", "training the rank model's tokenizer")
+    from glmctl.plan.rank import rank_weights
+    from glmctl.testing.rank_config import build_rank_config
+
+    info = build_rank_config(directory, tp=tp, experts=experts, exl3_bits=exl3_bits, num_layers=num_layers,
+                             mtp_layers=mtp_layers, dense_mlps=dense_mlps, force=force)
+    summary = info.summary()
+    if num_layers is None and not dense_mlps:
+        weights = [rank_weights(experts, tp, mtp, exl3_bits).model_dump() for mtp in (False, True)]
+        summary["predicted_weights"] = weights
+    out.result(summary, render=lambda console: _render_rank(console, summary))
+
+
+def _render_rank(console, s: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"rank model (one rank of TP{s['tp']}): {s['path']}", show_header=False,
+                  title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("MLA / KDA heads", f"{s['num_attention_heads']} / {s['linear_num_heads']}"),
+        ("experts", f"{s['n_routed_experts']} x intermediate {s['moe_intermediate_size']} ({s['experts']}, "
+                    f"quant_method {s['quant_method']})"),
+        ("dense MLP / vocab", f"{s['intermediate_size']} / {s['vocab_size']:,} (tokenizer {s['tokenizer_vocab']:,})"),
+        ("indexer heads (replicated)", str(s["index_n_heads"])),
+        ("layers", f"{s['num_hidden_layers']} + {s['mtp_layers']} MTP"),
+        ("files", ", ".join(s["files"]) + "; no weights: serve with --load-format dummy"),
+    ]
+    for w in s.get("predicted_weights", []):
+        gib = 1 << 30
+        rows.append((f"weights per GPU{' + MTP' if w['mtp_layers'] else ''}",
+                     f"{w['node_gpu_bytes'] / gib:.3f} GiB on a TP{w['tp']} GPU, {w['rank_model_bytes'] / gib:.3f} "
+                     "GiB for this model (glmctl plan, predicted)"))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)

