@@ -95,6 +95,11 @@ def plan(
         bool, typer.Option("--reproduce-report", help="Predict the field report's five KV pools on 8x L40 and "
                            "print the residuals (ignores the other options).")
     ] = False,
+    predict: Annotated[
+        Path | None, typer.Option("--predict", metavar="MEASURED.json", help="Predict 8x L40 decode and prefill "
+                                  "from a rank step measured on another GPU, beside the report's cells (ignores "
+                                  "the other options).")
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Plan KV capacity and per-GPU memory: weights by group, reserves, KV pool, tokens and sessions.
@@ -112,6 +117,12 @@ def plan(
 
         result = reproduce()
         out.result(result, render=lambda console: render.render_report(result, console))
+        return
+    if predict is not None:
+        from glmctl.plan.node_prediction import load_measured_run, predict_node
+
+        prediction = predict_node(load_measured_run(predict))
+        out.result(prediction, render=lambda console: render.render_prediction(prediction, console))
         return
 
     from glmctl.plan import cpu_node, gpu_node, load_model_spec, plan_capacity
@@ -161,4 +172,5 @@ plan.epilog = examples(
     "glmctl plan --gpus 8xL40 --kv-cache-dtype fp8 --speculative mtp:3 --kda fp8 --experts exl3:4 --max-num-seqs 8",
     "glmctl plan --model out/tiny-glm --cpu --block-size 1024 --json",
     "glmctl plan --reproduce-report",
+    "glmctl plan --predict bench/results/rank-sim-h200.json",
 )

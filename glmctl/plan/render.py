@@ -118,3 +118,51 @@ def render_report(rep: ReportReproduction, console: Console) -> None:
         "predicted = this planner's model; reported = the report's measured values (vLLM's logged KV cache size). "
         f"Largest |residual|: {rep.max_abs_residual_pct:.2f}%"
     )
+
+
+def render_prediction(pred, console: Console) -> None:
+    """The node prediction in the report's scaling-table layout: sessions x context per method,
+    each cell the predicted tok/s beside the report's, the ratio and what dominates the step."""
+    from glmctl.plan.node_prediction import CONTEXT_LABELS, REPORT_DECODE_CELLS
+
+    console.print(f"[bold]8x {pred.target.name} decode, predicted[/bold] from {pred.source} "
+                  f"({pred.stand_in.name} rank step; {pred.stand_in.source})")
+    for spec in sorted({c.speculative for c in pred.cells}, key=lambda s: (s != "mtp:3", s)):
+        table = Table(title=f"combined tok/s, {spec}: predicted (pred; basis per cell below) | report (rep, "
+                            "measured on 8x L40, 4-bit experts)", title_justify="left")
+        table.add_column("sessions", justify="right")
+        for label in CONTEXT_LABELS:
+            table.add_column(f"~{label}", justify="right")
+        cells = {(c.sessions, c.context_label): c for c in pred.cells if c.speculative == spec}
+        reported = {(n, ctx) for n, ctx, s in REPORT_DECODE_CELLS if s == spec}
+        for sessions in sorted({n for n, _ in cells} | {n for n, _ in reported}):
+            row = []
+            for label in CONTEXT_LABELS:
+                c = cells.get((sessions, label))
+                report = REPORT_DECODE_CELLS.get((sessions, label, spec))
+                if c is None:
+                    row.append(f"not measured | rep {report:.0f}" if report else "")
+                    continue
+                ratio = f" ({c.ratio_to_report:.2f}x)" if c.ratio_to_report else ""
+                row.append(f"pred {c.predicted_tok_s:,.0f} | rep {f'{report:.0f}' if report else '—'}{ratio}\n"
+                           f"[dim]{c.dominated_by}[/dim]")
+            table.add_row(str(sessions), *row)
+        console.print(table)
+    detail = Table(title="per cell (step time per rank on 8x L40, predicted)", title_justify="left")
+    for name in ("cell", "step ms", "collectives ms", "tokens/step", "basis"):
+        detail.add_column(name, justify="right" if "ms" in name or "tokens" in name else "left")
+    for c in pred.cells:
+        detail.add_row(f"{c.sessions} x {c.context_tokens:,} {c.speculative}", f"{c.predicted_step_us / 1e3:.2f}",
+                       f"{c.collectives_us / 1e3:.2f} ({c.collective_calls} calls)", f"{c.tokens_per_step:g}",
+                       c.label)
+    console.print(detail)
+    for p in pred.prefill:
+        report = "" if p.report_s is None else (
+            f"; report {p.report_s[0]:g}-{p.report_s[1]:g} s" if p.report_s[0] != p.report_s[1]
+            else f"; report about {p.report_s[0]:g} s")
+        console.print(f"prefill {p.prompt_tokens:,} tokens: {p.predicted_ttft_s:,.1f} s (collectives "
+                      f"{p.collectives_s:,.1f} s){report} — {p.label}")
+    console.print(f"collectives: {pred.collective_model}")
+    console.print(f"tokens per step: {pred.acceptance}")
+    for note in pred.notes:
+        console.print(f"[dim]{note}[/dim]")

@@ -1,0 +1,151 @@
+"""`glmctl plan --predict`: a rank step measured on a stand-in GPU -> predicted 8x L40 cells, from a
+synthetic measurement (every number below is made up for the test, not measured anywhere)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glmctl.errors import ConfigError
+from glmctl.plan import load_model_spec
+from glmctl.plan.node_prediction import (
+    L40_DATASHEET,
+    REPORT_TOKENS_PER_STEP,
+    HostStagedFallback,
+    MeasuredRun,
+    decode_step_collectives,
+    load_measured_run,
+    predict_node,
+)
+
+BREAKDOWN = {"mla_attention": 800.0, "indexer": 900.0, "kda": 1200.0, "routed_experts": 4500.0,
+             "shared_dense_mlp": 400.0, "norms_mhc": 600.0, "sampler_mtp": 1100.0, "launch_gaps": 500.0}
+SYNTHETIC = {
+    "source": "synthetic test breakdown",
+    "device": {"name": "H200", "memory_bandwidth_gbps": 4320.0, "bf16_tflops": 724.0,
+               "source": "synthetic: copy 4.32 TB/s, bf16 724 TFLOP/s"},
+    "reference": {"sessions": 8, "context_tokens": 240_000, "speculative": "mtp:3", "breakdown_us": BREAKDOWN},
+    "cells": [{"sessions": 8, "context_tokens": 22_000, "speculative": "mtp:3", "step_us": 5_000.0},
+              {"sessions": 8, "context_tokens": 240_000, "speculative": "none", "step_us": 6_000.0}],
+    "prefill": {"chunk_tokens": 2048, "context_tokens": 240_000,
+                "breakdown_us": {"mla_attention": 30_000.0, "indexer": 60_000.0, "routed_experts": 40_000.0,
+                                 "launch_gaps": 1_000.0}},
+}
+
+
+def _free_collectives(op: str, ranks: int, nbytes: int, dtype: str) -> float:
+    return 0.0
+
+
+@pytest.fixture
+def run() -> MeasuredRun:
+    return MeasuredRun.model_validate(SYNTHETIC)
+
+
+def test_kinds_scale_by_the_ratio_that_bounds_them(run):
+    pred = predict_node(run, time_model=_free_collectives, collective_label="none")
+    ref = pred.cells[0]
+    lines = {k.kind: k for k in ref.kinds}
+    bw = 4320.0 / 864.0  # 5.0: bandwidth-bound decode kinds
+    assert lines["routed_experts"].ratio == pytest.approx(bw) and lines["routed_experts"].bound == "bandwidth"
+    assert lines["launch_gaps"].ratio == 1.0  # launch latency is not scaled
+    expected = sum(BREAKDOWN.values()) * bw - 500.0 * (bw - 1)
+    assert ref.predicted_step_us == pytest.approx(expected, abs=0.1)
+    # tok/s = sessions x stated tokens per step / step
+    assert ref.predicted_tok_s == pytest.approx(8 * REPORT_TOKENS_PER_STEP["mtp:3"] / (expected * 1e-6), abs=0.1)
+    assert (ref.report_tok_s, ref.context_label) == (704.0, "240k")
+    assert ref.ratio_to_report == pytest.approx(ref.predicted_tok_s / 704.0, abs=1e-3)
+    assert ref.dominated_by.startswith("routed_experts")
+    assert ref.label.startswith("predicted (from the H200 rank step")
+
+
+def test_compute_bound_override_uses_tensor_throughput(run):
+    run = run.model_copy(update={"bounds": {"indexer": "compute_fp8"}})
+    pred = predict_node(run, time_model=_free_collectives)
+    indexer = next(k for k in pred.cells[0].kinds if k.kind == "indexer")
+    assert indexer.ratio == pytest.approx(2 * 724.0 / 362.1, rel=1e-4)  # FP8 not measured: 2x bf16, said so
+    assert any("FP8 throughput not measured" in n for n in pred.notes)
+
+
+def test_cells_without_a_breakdown_take_the_reference_shares(run):
+    pred = predict_node(run, time_model=_free_collectives)
+    short, plain = pred.cells[1], pred.cells[2]
+    assert short.measured_step_us == pytest.approx(5_000.0)
+    experts = next(k for k in short.kinds if k.kind == "routed_experts")
+    assert experts.measured_us == pytest.approx(5_000.0 * 4500 / sum(BREAKDOWN.values()))
+    assert "shares" in short.breakdown_basis and short.report_tok_s == 646.0
+    assert plain.tokens_per_step == 1.0 and plain.report_tok_s is None  # the report has no such cell
+
+
+def test_collectives_are_the_models_calls_timed_by_the_given_model(run):
+    glm = load_model_spec("glm-5.3-flash")
+    calls = decode_step_collectives(glm, 8, sessions=8, num_spec=3)
+    reduces = sum(c.count for c in calls if c.op == "all_reduce")
+    assert reduces == 2 * 45 + 1 + 3 * 3  # 45 layers x 2, embedding; each of 3 MTP passes: embedding + 2
+    assert calls[0].bytes == 8 * 4 * 4096 * 2  # 32 verify tokens of bf16 hidden state
+    seen = []
+
+    def per_call(op, ranks, nbytes, dtype):
+        seen.append((op, ranks, dtype))
+        return 10e-6
+
+    pred = predict_node(run, time_model=per_call)
+    ref = pred.cells[0]
+    assert ref.collective_calls == sum(c.count for c in calls)
+    assert ref.collectives_us == pytest.approx(10.0 * ref.collective_calls, abs=0.1)
+    assert {s[1] for s in seen} == {8} and {s[2] for s in seen} >= {"bf16"}
+
+
+def test_fallback_collective_model_is_latency_bound_for_decode_and_link_bound_beyond():
+    f = HostStagedFallback()
+    small = f("all_reduce", 8, 262_144, "bf16")
+    big = f("all_reduce", 8, 16 << 20, "bf16")
+    assert 15e-6 < small < 60e-6  # latency + two-shot link time, host traffic in cache
+    assert big > 100 * small - 1 and f("all_reduce", 8, 16 << 20, "int8") < big
+    assert "assumed" in f.label
+
+
+def test_prefill_grows_the_indexer_with_context(run):
+    pred = predict_node(run, time_model=_free_collectives)
+    one, queue = pred.prefill
+    assert one.prompt_tokens == 262_144 and one.report_s == (57.0, 72.0)
+    chunks = 262_144 // 2048
+    bf16 = 724.0 / 181.05
+    fixed = (30_000.0 + 40_000.0) * bf16 + 1_000.0  # per chunk, µs
+    # indexer (fp8, 2x bf16 assumed on the stand-in) grows linearly: mean context 131k of 241k
+    indexer = 60_000.0 * (2 * 724.0 / 362.1) * sum((i * 2048 + 1024) / (240_000 + 1024) for i in range(chunks))
+    assert one.predicted_ttft_s == pytest.approx((chunks * fixed + indexer) * 1e-6, abs=0.1)
+    assert queue.label.endswith("prefilled one after another")
+
+
+def test_bad_measurement_files_say_what_is_wrong(tmp_path):
+    bad = dict(SYNTHETIC, device={"name": "H200", "memory_bandwidth_gbps": -1, "bf16_tflops": 1, "source": "x"})
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="device.memory_bandwidth_gbps"):
+        load_measured_run(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_measured_run(tmp_path / "missing.json")
+    no_breakdown = MeasuredRun.model_validate(dict(SYNTHETIC, reference={"sessions": 8, "context_tokens": 1}))
+    with pytest.raises(ConfigError, match="no breakdown_us"):
+        predict_node(no_breakdown)
+
+
+def test_cli_predict_prints_predicted_cells_beside_the_report(run_cli, tmp_path):
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(SYNTHETIC))
+    proc = run_cli("plan", "--predict", str(path), env={"COLUMNS": "160"})
+    assert proc.returncode == 0, proc.stderr
+    for text in ("predicted", "rep 704", "rep 646", "57-72 s", L40_DATASHEET.source[:30], "fallback host-staged"):
+        assert text in proc.stdout, text
+    data = json.loads(run_cli("plan", "--predict", str(path), "--json").stdout)
+    assert data["cells"][0]["report_tok_s"] == 704.0 and data["target"]["memory_bandwidth_gbps"] == 864.0
+
+
+def test_predict_imports_nothing_heavy(tmp_path):
+    from tests.unit.test_cli import _imported_heavy
+
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(SYNTHETIC))
+    assert _imported_heavy(["plan", "--predict", str(path)]) == []
