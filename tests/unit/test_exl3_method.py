@@ -167,3 +167,20 @@ def test_loading_refuses_missing_markers_before_touching_cuda():
     method.create_weights(layer, 2, 256, 256, torch.bfloat16)
     with pytest.raises(ConfigError, match="lack the mul1 codebook marker"):
         method.process_weights_after_loading(layer)  # nothing was loaded: markers are zero
+
+
+def test_dummy_weights_get_valid_markers():
+    """`--load-format dummy` (vLLM's initialize_single_dummy_weight) gives every mul1 marker its
+    value, so a random-weight EXL3 model passes the marker check; trellises stay zero."""
+    import torch
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    from glmctl.plugin.exl3_method import Exl3MoEMethod
+
+    layer = _Layer(torch)
+    Exl3MoEMethod(_moe(1, 0), Exl3ExpertsSpec.from_config(_spec())).create_weights(layer, 2, 256, 256, torch.bfloat16)
+    params = dict(layer.module.named_parameters())
+    for param in params.values():
+        initialize_single_dummy_weight(param)
+    assert (params["w13_mul1"] == MUL1_MARKER).all() and (params["w2_mul1"] == MUL1_MARKER).all()
+    assert not params["w13_trellis"].any() and params["w13_suh"].abs().max() <= 1e-3
