@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from glmctl.errors import ConfigError
 from glmctl.plan.model import ModelSpec, load_model_spec
@@ -59,15 +59,20 @@ L40_DATASHEET = DeviceFigures(
 
 # What bounds each kind of a decode step (a few tokens per sequence: weights and caches are read
 # once per step) and of a prefill chunk (thousands of tokens: GEMM and attention maths).
+# Kinds as `bench/rank_sim.py` groups the profiler's kernels (dense_gemm, sampler, memcpy, other,
+# gpu_idle_in_span) and as the issue names them (shared_dense_mlp, sampler_mtp, launch_gaps);
+# host_between_steps is the measured step beyond the profiled kernel span (CPU-side scheduling).
+_NOT_SCALED = ("launch_gaps", "gpu_idle_in_span", "host_between_steps")
 DECODE_BOUNDS: dict[str, Bound] = {
-    "mla_attention": "bandwidth", "indexer": "bandwidth", "kda": "bandwidth", "routed_experts": "bandwidth",
-    "shared_dense_mlp": "bandwidth", "norms_mhc": "bandwidth", "sampler_mtp": "bandwidth",
-    "launch_gaps": "launch",
+    **{k: "bandwidth" for k in ("mla_attention", "indexer", "kda", "routed_experts", "shared_dense_mlp",
+                                "dense_gemm", "norms_mhc", "sampler_mtp", "sampler", "memcpy", "other")},
+    **{k: "launch" for k in _NOT_SCALED},
 }
 PREFILL_BOUNDS: dict[str, Bound] = {
-    "mla_attention": "compute_bf16", "indexer": "compute_fp8", "kda": "compute_bf16",
-    "routed_experts": "compute_bf16", "shared_dense_mlp": "compute_bf16", "norms_mhc": "bandwidth",
-    "sampler_mtp": "bandwidth", "launch_gaps": "launch",
+    **{k: "compute_bf16" for k in ("mla_attention", "kda", "routed_experts", "shared_dense_mlp", "dense_gemm")},
+    "indexer": "compute_fp8",
+    **{k: "bandwidth" for k in ("norms_mhc", "sampler_mtp", "sampler", "memcpy", "other")},
+    **{k: "launch" for k in _NOT_SCALED},
 }
 UNKNOWN_KIND_BOUND: Bound = "bandwidth"
 # Kinds whose prefill cost grows with the context already cached: the indexer scores every pooled
@@ -153,17 +158,38 @@ class StepCell(BaseModel):
 
 
 class PrefillMeasurement(BaseModel):
-    chunk_tokens: int = Field(2048, ge=1)
-    context_tokens: int = Field(ge=0)  # context cached before the measured chunk
-    breakdown_us: dict[str, float]
+    """Either one chunk's breakdown at a known context, or whole measured prefills (TTFT of one
+    prompt; optionally of the last of several prompts arriving together)."""
+
+    chunk_tokens: int = Field(2048, ge=1)  # max_num_batched_tokens: tokens per prefill step
+    context_tokens: int | None = Field(None, ge=0)  # context cached before the measured chunk
+    breakdown_us: dict[str, float] | None = None
+    ttft_s: float | None = Field(None, gt=0)
+    prompt_tokens: int | None = Field(None, ge=1)
+    queue_ttft_s: float | None = Field(None, gt=0)  # the last prompt's TTFT
+    queue_prompts: int = Field(8, ge=1)
+    queue_prompt_tokens: int | None = Field(None, ge=1)
     allreduce_dtype: str = "int8"  # the report compresses the prefill all-reduce
+
+    @model_validator(mode="after")
+    def _one_form(self) -> PrefillMeasurement:
+        if self.breakdown_us is not None and self.context_tokens is None:
+            raise ValueError("a chunk breakdown needs context_tokens")
+        if self.breakdown_us is None and (self.ttft_s is None or self.prompt_tokens is None):
+            raise ValueError("give breakdown_us + context_tokens, or ttft_s + prompt_tokens")
+        return self
 
 
 class MeasuredRun(BaseModel):
+    """The measurements, written by hand or from `bench/rank_sim.py` records: `rank_sim` names
+    record files (relative to this file) or holds them; their cells, breakdown and TTFTs then fill
+    `reference`, `cells` and `prefill` (`glmctl.plan.rank_sim_records`)."""
+
     source: str  # where the measurements come from (file, run, date)
     device: DeviceFigures  # the stand-in GPU's measured figures
     tp: int = 8
-    reference: StepCell  # the cell with the full breakdown (the report: 8 x 240k with MTP-3)
+    reference: StepCell | None = None  # the cell with the full breakdown (the report: 8 x 240k, MTP-3)
+    rank_sim: list[str | dict] = []
     cells: list[StepCell] = []
     tokens_per_step: dict[str, float] = {}  # by speculative method; default REPORT_TOKENS_PER_STEP
     bounds: dict[str, Bound] = {}  # per-kind overrides of DECODE_BOUNDS
@@ -217,8 +243,14 @@ class NodePrediction(BaseModel):
 
 
 def load_measured_run(path: str | Path) -> MeasuredRun:
+    """A `MeasuredRun` JSON file; `rank_sim` records in it are read and turned into cells."""
     try:
-        return MeasuredRun.model_validate(json.loads(Path(path).read_text()))
+        run = MeasuredRun.model_validate(json.loads(Path(path).read_text()))
+        if run.rank_sim:
+            from glmctl.plan.rank_sim_records import with_rank_sim_records
+
+            run = with_rank_sim_records(run, Path(path).parent)
+        return run
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read the measured run {path}: {exc}") from exc
     except ValidationError as exc:
@@ -259,7 +291,7 @@ def _ratio(stand_in: DeviceFigures, target: DeviceFigures, bound: Bound) -> floa
     return 1.0 if bound == "launch" else stand_in.throughput(bound) / target.throughput(bound)
 
 
-def _scaled(breakdown: dict[str, float], bounds: dict[str, Bound], stand_in: DeviceFigures,
+def scaled_kinds(breakdown: dict[str, float], bounds: dict[str, Bound], stand_in: DeviceFigures,
             target: DeviceFigures, factor: Callable[[str], float] = lambda kind: 1.0) -> list[KindLine]:
     lines = []
     for kind, us in breakdown.items():
@@ -269,7 +301,7 @@ def _scaled(breakdown: dict[str, float], bounds: dict[str, Bound], stand_in: Dev
     return lines
 
 
-def _collectives_us(calls: list[Collective], ranks: int, time_model: CollectiveTimeModel) -> float:
+def collectives_us(calls: list[Collective], ranks: int, time_model: CollectiveTimeModel) -> float:
     return sum(c.count * time_model(c.op, ranks, c.bytes, c.dtype) for c in calls) * 1e6
 
 
@@ -283,7 +315,7 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
     bounds = {**DECODE_BOUNDS, **run.bounds}
     acceptance = {**REPORT_TOKENS_PER_STEP, **run.tokens_per_step}
     ref = run.reference
-    if not ref.breakdown_us:
+    if ref is None or not ref.breakdown_us:
         raise ConfigError("the reference cell has no breakdown_us", hint="measure one decode step by kind")
     ref_total = sum(ref.breakdown_us.values())
     cells = []
@@ -300,8 +332,8 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
             raise ConfigError(f"no tokens per step for {spec}", hint='add it to "tokens_per_step" (stated acceptance)')
         calls = cell.collectives or decode_step_collectives(model, run.tp, cell.sessions,
                                                             parse_speculative(spec).num_tokens)
-        kinds = _scaled(breakdown, bounds, run.device, target)
-        coll = _collectives_us(calls, run.tp, time_model)
+        kinds = scaled_kinds(breakdown, bounds, run.device, target)
+        coll = collectives_us(calls, run.tp, time_model)
         step = sum(k.predicted_us for k in kinds) + coll
         tok_s = cell.sessions * acceptance[spec] / (step * 1e-6)
         label_ctx = context_label(cell.context_tokens)
@@ -321,7 +353,9 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
                    f"{'fallback' if time_model is fallback else 'given'} model; {acceptance[spec]:g} tokens/step "
                    "stated)"),
         ))
-    prefill = _predict_prefill(run, model, target, time_model, fallback) if run.prefill else []
+    from glmctl.plan.node_prefill import predict_prefill
+
+    prefill = predict_prefill(run, model, target, time_model, time_model is fallback) if run.prefill else []
     notes = [
         f"stand-in figures: {run.device.source}",
         f"target figures: {target.source}",
@@ -334,38 +368,3 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
     return NodePrediction(source=run.source, stand_in=run.device, target=target, collective_model=label_model,
                           acceptance=ACCEPTANCE_SOURCE if not run.tokens_per_step else "stated in the measured run",
                           cells=cells, prefill=prefill, notes=notes)
-
-
-def _predict_prefill(run: MeasuredRun, model: ModelSpec, target: DeviceFigures, time_model: CollectiveTimeModel,
-                     fallback: HostStagedFallback) -> list[PrefillPrediction]:
-    """TTFT of one 256k prompt (chunk by chunk; the indexer grows with the context already cached)
-    and of the last of eight ~227k prompts arriving together (taken as prefilled one after another)."""
-    p = run.prefill
-    assert p is not None
-    bounds = {**PREFILL_BOUNDS, **run.bounds}
-    chunk_calls = [Collective(op="all_reduce", bytes=p.chunk_tokens * model.hidden_size * 2,
-                              count=2 * model.num_hidden_layers + 1, dtype=p.allreduce_dtype)]
-    chunk_coll_s = _collectives_us(chunk_calls, run.tp, time_model) * 1e-6
-
-    def ttft(prompt: int) -> tuple[float, float]:
-        total = coll = 0.0
-        for start in range(0, prompt, p.chunk_tokens):
-            grow = (start + p.chunk_tokens / 2) / (p.context_tokens + p.chunk_tokens / 2)
-            kinds = _scaled(p.breakdown_us, bounds, run.device, target,
-                            lambda kind, grow=grow: grow if kind in PREFILL_CONTEXT_LINEAR else 1.0)
-            total += sum(k.predicted_us for k in kinds) * 1e-6 + chunk_coll_s
-            coll += chunk_coll_s
-        return total, coll
-
-    basis = (f"predicted (from one {p.chunk_tokens}-token {run.device.name} chunk at {p.context_tokens:,} context, "
-             f"indexer scaled with context, collectives {p.allreduce_dtype} from the "
-             f"{'fallback' if time_model is fallback else 'given'} model)")
-    one, one_coll = ttft(262_144)
-    queue, queue_coll = ttft(227_000)
-    return [
-        PrefillPrediction(prompt_tokens=262_144, predicted_ttft_s=round(one, 1), collectives_s=round(one_coll, 1),
-                          report_s=REPORT_PREFILL_256K_S, label=basis),
-        PrefillPrediction(prompt_tokens=8 * 227_000, predicted_ttft_s=round(8 * queue, 1),
-                          collectives_s=round(8 * queue_coll, 1), report_s=(REPORT_QUEUE_8X227K_S,) * 2,
-                          label=basis + "; eight ~227k prompts prefilled one after another"),
-    ]

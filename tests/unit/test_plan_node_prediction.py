@@ -149,3 +149,50 @@ def test_predict_imports_nothing_heavy(tmp_path):
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(SYNTHETIC))
     assert _imported_heavy(["plan", "--predict", str(path)]) == []
+
+
+# bench/rank_sim.py's record format (synthetic values): one record per served variant
+RANK_SIM_MTP3 = {
+    "name": "exl3-mtp3", "settings": {"mtp": 3, "chunk": 2048},
+    "cells": [
+        {"cell": "1x64k", "sessions": 1, "context": 64_000, "step_ms": 4.0, "ttft_s": [9.0]},
+        {"cell": "8x227k", "sessions": 8, "context": 227_000, "step_ms": 11.0,
+         "ttft_s": [20.0, 40.0, 80.0, 160.0, None, 170.0, 175.0, 180.0],
+         "breakdown": {"us_per_iteration": {"routed_experts": 5000.0, "kda": 2000.0, "dense_gemm": 1500.0,
+                                            "sampler": 300.0, "gpu_idle_in_span": 700.0}}},
+        {"cell": "8x64k", "skipped": "deadline"},
+    ],
+    "prefill_ttft_256k_s": 30.0,
+}
+RANK_SIM_NOSPEC = {"name": "exl3-nospec", "settings": {"mtp": 0},
+                   "cells": [{"cell": "8x22k", "sessions": 8, "context": 22_000, "step_ms": 6.0}]}
+
+
+def test_rank_sim_records_become_cells_reference_and_prefill(tmp_path):
+    (tmp_path / "rank-sim-exl3-mtp3.json").write_text(json.dumps(RANK_SIM_MTP3))
+    measured = {"source": "synthetic rank-sim records", "device": SYNTHETIC["device"],
+                "rank_sim": ["rank-sim-exl3-mtp3.json", RANK_SIM_NOSPEC]}
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    run = load_measured_run(tmp_path / "measured.json")
+    ref = run.reference
+    assert (ref.sessions, ref.context_tokens, ref.speculative) == (8, 227_000, "mtp:3")
+    assert ref.breakdown_us["host_between_steps"] == pytest.approx(11_000.0 - 9_500.0)  # measured step - span
+    assert [(c.sessions, c.speculative) for c in run.cells] == [(1, "mtp:3"), (8, "none")]  # skipped cell dropped
+    assert (run.prefill.ttft_s, run.prefill.queue_ttft_s, run.prefill.queue_prompt_tokens) == (30.0, 180.0, 227_000)
+
+    pred = predict_node(run, time_model=_free_collectives)
+    lines = {k.kind: k for k in pred.cells[0].kinds}
+    assert lines["host_between_steps"].ratio == lines["gpu_idle_in_span"].ratio == 1.0
+    assert lines["dense_gemm"].bound == "bandwidth" and lines["sampler"].bound == "bandwidth"
+    assert pred.cells[0].report_tok_s == 704.0  # 227k is the report's ~240k column
+    one, queue = pred.prefill
+    ratio = 724.0 / 181.05
+    assert one.predicted_ttft_s == pytest.approx(30.0 * ratio, abs=0.1) and one.prompt_tokens == 256_000
+    assert queue.predicted_ttft_s == pytest.approx(180.0 * ratio, abs=0.1) and queue.report_s == (220.0, 220.0)
+
+
+def test_rank_sim_records_without_a_profiled_cell_are_refused(tmp_path):
+    measured = {"source": "x", "device": SYNTHETIC["device"], "rank_sim": [RANK_SIM_NOSPEC]}
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    with pytest.raises(ConfigError, match="no profiled cell"):
+        load_measured_run(tmp_path / "m.json")

@@ -1,0 +1,93 @@
+"""Predicted 8x L40 prefill (time to first token) from a rank's prefill measured on a stand-in GPU.
+
+Two measurement forms (`PrefillMeasurement`):
+- one chunk's breakdown at a known context: each chunk of the prompt is that chunk with every kind
+  scaled by its bound (`PREFILL_BOUNDS`) and the indexer grown with the context already cached
+  (it scores every pooled key; sparse MLA reads a fixed top-k; KDA and the MLPs do not look back);
+- whole measured TTFTs: scaled by the tensor-throughput ratio (all compute-bound: the conservative
+  reading of a prefill that mixes compute- and bandwidth-bound kernels).
+Either way every chunk adds the node's all-reduces (two per layer and the embedding's, INT8 as
+the report runs them) from the collective model; the rank model runs none.
+"""
+
+from __future__ import annotations
+
+from glmctl.plan.model import ModelSpec
+from glmctl.plan.node_prediction import (
+    PREFILL_BOUNDS,
+    PREFILL_CONTEXT_LINEAR,
+    REPORT_PREFILL_256K_S,
+    REPORT_QUEUE_8X227K_S,
+    Collective,
+    CollectiveTimeModel,
+    DeviceFigures,
+    MeasuredRun,
+    PrefillPrediction,
+    collectives_us,
+    scaled_kinds,
+)
+
+REPORT_QUEUE_PROMPT_TOKENS = 227_000
+
+
+def _chunk_collectives_s(run: MeasuredRun, model: ModelSpec, time_model: CollectiveTimeModel) -> float:
+    p = run.prefill
+    calls = [Collective(op="all_reduce", bytes=p.chunk_tokens * model.hidden_size * 2,
+                        count=2 * model.num_hidden_layers + 1, dtype=p.allreduce_dtype)]
+    return collectives_us(calls, run.tp, time_model) * 1e-6
+
+
+def _chunks(tokens: int, chunk: int) -> int:
+    return -(-tokens // chunk)
+
+
+def predict_prefill(run: MeasuredRun, model: ModelSpec, target: DeviceFigures, time_model: CollectiveTimeModel,
+                    fallback_collectives: bool) -> list[PrefillPrediction]:
+    p = run.prefill
+    assert p is not None
+    chunk_coll = _chunk_collectives_s(run, model, time_model)
+    which = "fallback" if fallback_collectives else "given"
+    if p.breakdown_us is not None:
+        return _from_chunk(run, target, chunk_coll, which)
+    ratio = run.device.throughput("compute_bf16") / target.throughput("compute_bf16")
+    basis = (f"predicted (from the measured {run.device.name} TTFT x {ratio:.2f}, its bf16 tensor throughput over "
+             f"{target.name}'s, all compute-bound assumed; + {p.allreduce_dtype} all-reduces per "
+             f"{p.chunk_tokens}-token chunk from the {which} collective model)")
+    one_coll = _chunks(p.prompt_tokens, p.chunk_tokens) * chunk_coll
+    out = [PrefillPrediction(prompt_tokens=p.prompt_tokens, predicted_ttft_s=round(p.ttft_s * ratio + one_coll, 1),
+                             collectives_s=round(one_coll, 1), report_s=REPORT_PREFILL_256K_S, label=basis)]
+    if p.queue_ttft_s is not None and p.queue_prompt_tokens is not None:
+        queue_coll = p.queue_prompts * _chunks(p.queue_prompt_tokens, p.chunk_tokens) * chunk_coll
+        out.append(PrefillPrediction(
+            prompt_tokens=p.queue_prompts * p.queue_prompt_tokens,
+            predicted_ttft_s=round(p.queue_ttft_s * ratio + queue_coll, 1), collectives_s=round(queue_coll, 1),
+            report_s=(REPORT_QUEUE_8X227K_S,) * 2,
+            label=basis + f"; the last of {p.queue_prompts} prompts of {p.queue_prompt_tokens:,} tokens"))
+    return out
+
+
+def _from_chunk(run: MeasuredRun, target: DeviceFigures, chunk_coll: float, which: str) -> list[PrefillPrediction]:
+    p = run.prefill
+    bounds = {**PREFILL_BOUNDS, **run.bounds}
+
+    def ttft(prompt: int) -> tuple[float, float]:
+        total = coll = 0.0
+        for start in range(0, prompt, p.chunk_tokens):
+            grow = (start + p.chunk_tokens / 2) / (p.context_tokens + p.chunk_tokens / 2)
+            kinds = scaled_kinds(p.breakdown_us, bounds, run.device, target,
+                                 lambda kind, grow=grow: grow if kind in PREFILL_CONTEXT_LINEAR else 1.0)
+            total += sum(k.predicted_us for k in kinds) * 1e-6 + chunk_coll
+            coll += chunk_coll
+        return total, coll
+
+    basis = (f"predicted (from one {p.chunk_tokens}-token {run.device.name} chunk at {p.context_tokens:,} context, "
+             f"indexer scaled with context, collectives {p.allreduce_dtype} from the {which} model)")
+    one, one_coll = ttft(262_144)
+    queue, queue_coll = ttft(REPORT_QUEUE_PROMPT_TOKENS)
+    return [
+        PrefillPrediction(prompt_tokens=262_144, predicted_ttft_s=round(one, 1), collectives_s=round(one_coll, 1),
+                          report_s=REPORT_PREFILL_256K_S, label=basis),
+        PrefillPrediction(prompt_tokens=8 * REPORT_QUEUE_PROMPT_TOKENS, predicted_ttft_s=round(8 * queue, 1),
+                          collectives_s=round(8 * queue_coll, 1), report_s=(REPORT_QUEUE_8X227K_S,) * 2,
+                          label=basis + "; eight ~227k prompts prefilled one after another"),
+    ]
