@@ -14,6 +14,7 @@ The plugin acts in two stages, because vLLM loads general plugins before it know
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 ENV_MODE = "GLMCTL_PLUGIN"
@@ -141,10 +142,7 @@ def kpool_indexer_alignment(index_kpool: int, index_head_dim: int = 128, num_spe
     (`Platform._get_indexer_block_alignment`): `kpool_block_size(1, ...)` (the 32 * kpool page
     rule plus room for the tail ring in one indexer page), combined with the platform's own
     multiple (`stock_alignment`; CUDA: 32 * kpool, CPU: none) so that both divide the result."""
-    ours = kpool_block_size(1, index_kpool, index_head_dim, num_speculative_tokens)
-    theirs = stock_alignment or 1
-    high, low = max(ours, theirs), min(ours, theirs)
-    return high if high % low == 0 else ours * theirs
+    return math.lcm(kpool_block_size(1, index_kpool, index_head_dim, num_speculative_tokens), stock_alignment or 1)
 
 
 def num_speculative_tokens(vllm_config) -> int:

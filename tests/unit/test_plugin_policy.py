@@ -125,3 +125,12 @@ def test_decide_mhc_path_refuses_bad_values():
         decide_mhc_path("fast", Target.TRITON, (8, 9), True)
     with pytest.raises(ValueError, match="tilelang is not importable"):
         decide_mhc_path("tilelang", Target.TRITON, (8, 9), False)
+
+
+def test_kpool_indexer_alignment_is_a_multiple_of_both_rules():
+    from glmctl.plugin.policy import kpool_indexer_alignment
+
+    assert kpool_indexer_alignment(16, 128, 0, 512) == 1024  # CUDA, no drafts: the tail ring needs 1,024
+    assert kpool_indexer_alignment(16, 128, 3, 512) == 1536  # MTP-3: 18-slot ring
+    assert kpool_indexer_alignment(16, 128, 3, None) == 1536  # vLLM CPU has no multiple of its own
+    assert kpool_indexer_alignment(16, 128, 3, 1024) == 3072  # sm_120's 64 x kpool: the lcm
