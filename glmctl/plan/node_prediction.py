@@ -10,7 +10,8 @@ bandwidth-bound kinds (stand-in measured / L40 datasheet), tensor throughput for
 nothing for launch gaps (kernel-launch latency inside a CUDA graph is the GPU front end's, taken as
 equal). The rank model runs no collectives; the node's are added from the model's own call list
 (`decode_step_collectives`: two all-reduces per layer, the vocab-parallel embedding's all-reduce,
-the logits all-gather, and the same for each MTP draft pass) timed by a `CollectiveTimeModel`.
+the logits all-gather, and the same for each MTP draft pass) timed by a `CollectiveTimeModel`
+(default: `glmctl.collectives.cost_model.time`, the host-staged protocol's model of the node).
 Tokens per second = sessions x tokens per step / step time, with tokens per step a stated
 acceptance, never a measurement (random weights make the measured acceptance meaningless).
 
@@ -103,7 +104,8 @@ class CollectiveTimeModel(Protocol):
 
 
 class HostStagedFallback(BaseModel):
-    """A simple host-staged model, used until the protocol's own model is plugged in. All its
+    """A simple host-staged model, for when `glmctl.collectives.cost_model` (the protocol's own,
+    the default) is not installed, or to see how much the prediction rests on it. All its
     constants are assumptions, not measurements.
 
     all_reduce, the cheaper of: one-shot (each rank copies its payload B to pinned host memory and
@@ -305,13 +307,28 @@ def collectives_us(calls: list[Collective], ranks: int, time_model: CollectiveTi
     return sum(c.count * time_model(c.op, ranks, c.bytes, c.dtype) for c in calls) * 1e6
 
 
+def default_collective_model() -> tuple[CollectiveTimeModel, str, str]:
+    """(model, description, short name): the host-staged protocol's own cost model
+    (`glmctl.collectives.cost_model.time`, the report's node links), else the fallback."""
+    try:
+        from glmctl.collectives import cost_model
+    except ImportError:  # a control-plane install without the collectives package
+        fallback = HostStagedFallback()
+        return fallback, fallback.label, "the fallback model"
+    return (cost_model.time, f"glmctl.collectives.cost_model: {cost_model.L40_NODE.name}; protocol costs "
+            f"{cost_model.PROTOCOL_COSTS.source}", "glmctl.collectives.cost_model")
+
+
 def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: DeviceFigures = L40_DATASHEET,
                  time_model: CollectiveTimeModel | None = None, collective_label: str | None = None) -> NodePrediction:
-    """Predict each measured cell (and the prefill, when measured) on the TP node of `target` GPUs."""
+    """Predict each measured cell (and the prefill, when measured) on the TP node of `target` GPUs.
+    `time_model`: seconds per collective call (default: `default_collective_model()`)."""
     model = model or load_model_spec("glm-5.3-flash")
-    fallback = HostStagedFallback()
-    time_model = time_model or fallback
-    label_model = collective_label or (fallback.label if time_model is fallback else "the collective model given")
+    if time_model is None:
+        time_model, label_model, short = default_collective_model()
+    else:
+        label_model = collective_label or getattr(time_model, "label", "the collective model given")
+        short = "the fallback model" if isinstance(time_model, HostStagedFallback) else "the given model"
     bounds = {**DECODE_BOUNDS, **run.bounds}
     acceptance = {**REPORT_TOKENS_PER_STEP, **run.tokens_per_step}
     ref = run.reference
@@ -349,13 +366,13 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
             report_tok_s=report, ratio_to_report=round(tok_s / report, 3) if report else None,
             dominated_by=f"{dominant} ({share:.0%})",
             label=(f"predicted (from the {run.device.name} rank step, {basis}; scaled to {target.name} "
-                   f"{'datasheet' if target is L40_DATASHEET else 'figures'}; collectives from the "
-                   f"{'fallback' if time_model is fallback else 'given'} model; {acceptance[spec]:g} tokens/step "
+                   f"{'datasheet' if target is L40_DATASHEET else 'figures'}; collectives from "
+                   f"{short}; {acceptance[spec]:g} tokens/step "
                    "stated)"),
         ))
     from glmctl.plan.node_prefill import predict_prefill
 
-    prefill = predict_prefill(run, model, target, time_model, time_model is fallback) if run.prefill else []
+    prefill = predict_prefill(run, model, target, time_model, short) if run.prefill else []
     notes = [
         f"stand-in figures: {run.device.source}",
         f"target figures: {target.source}",

@@ -42,17 +42,16 @@ def _chunks(tokens: int, chunk: int) -> int:
 
 
 def predict_prefill(run: MeasuredRun, model: ModelSpec, target: DeviceFigures, time_model: CollectiveTimeModel,
-                    fallback_collectives: bool) -> list[PrefillPrediction]:
+                    collectives_from: str) -> list[PrefillPrediction]:
     p = run.prefill
     assert p is not None
     chunk_coll = _chunk_collectives_s(run, model, time_model)
-    which = "fallback" if fallback_collectives else "given"
     if p.breakdown_us is not None:
-        return _from_chunk(run, target, chunk_coll, which)
+        return _from_chunk(run, target, chunk_coll, collectives_from)
     ratio = run.device.throughput("compute_bf16") / target.throughput("compute_bf16")
     basis = (f"predicted (from the measured {run.device.name} TTFT x {ratio:.2f}, its bf16 tensor throughput over "
              f"{target.name}'s, all compute-bound assumed; + {p.allreduce_dtype} all-reduces per "
-             f"{p.chunk_tokens}-token chunk from the {which} collective model)")
+             f"{p.chunk_tokens}-token chunk from {collectives_from})")
     one_coll = _chunks(p.prompt_tokens, p.chunk_tokens) * chunk_coll
     out = [PrefillPrediction(prompt_tokens=p.prompt_tokens, predicted_ttft_s=round(p.ttft_s * ratio + one_coll, 1),
                              collectives_s=round(one_coll, 1), report_s=REPORT_PREFILL_256K_S, label=basis)]
@@ -66,7 +65,8 @@ def predict_prefill(run: MeasuredRun, model: ModelSpec, target: DeviceFigures, t
     return out
 
 
-def _from_chunk(run: MeasuredRun, target: DeviceFigures, chunk_coll: float, which: str) -> list[PrefillPrediction]:
+def _from_chunk(run: MeasuredRun, target: DeviceFigures, chunk_coll: float,
+                collectives_from: str) -> list[PrefillPrediction]:
     p = run.prefill
     bounds = {**PREFILL_BOUNDS, **run.bounds}
 
@@ -81,7 +81,7 @@ def _from_chunk(run: MeasuredRun, target: DeviceFigures, chunk_coll: float, whic
         return total, coll
 
     basis = (f"predicted (from one {p.chunk_tokens}-token {run.device.name} chunk at {p.context_tokens:,} context, "
-             f"indexer scaled with context, collectives {p.allreduce_dtype} from the {which} model)")
+             f"indexer scaled with context, {p.allreduce_dtype} collectives from {collectives_from})")
     one, one_coll = ttft(262_144)
     queue, queue_coll = ttft(REPORT_QUEUE_PROMPT_TOKENS)
     return [

@@ -97,6 +97,19 @@ def test_collectives_are_the_models_calls_timed_by_the_given_model(run):
     assert {s[1] for s in seen} == {8} and {s[2] for s in seen} >= {"bf16"}
 
 
+def test_default_collectives_are_the_protocols_cost_model(run):
+    from glmctl.collectives import cost_model
+
+    pred = predict_node(run)
+    calls = decode_step_collectives(load_model_spec("glm-5.3-flash"), 8, sessions=8, num_spec=3)
+    expected = sum(c.count * cost_model.time(c.op, 8, c.bytes, c.dtype) for c in calls) * 1e6
+    assert pred.cells[0].collectives_us == pytest.approx(expected, abs=0.1)
+    assert pred.collective_model.startswith("glmctl.collectives.cost_model")
+    assert "collectives from glmctl.collectives.cost_model" in pred.cells[0].label
+    fallback = predict_node(run, time_model=HostStagedFallback())
+    assert "assumed" in fallback.collective_model and "fallback" in fallback.cells[0].label
+
+
 def test_fallback_collective_model_is_latency_bound_for_decode_and_link_bound_beyond():
     f = HostStagedFallback()
     small = f("all_reduce", 8, 262_144, "bf16")
@@ -137,7 +150,8 @@ def test_cli_predict_prints_predicted_cells_beside_the_report(run_cli, tmp_path)
     path.write_text(json.dumps(SYNTHETIC))
     proc = run_cli("plan", "--predict", str(path), env={"COLUMNS": "160"})
     assert proc.returncode == 0, proc.stderr
-    for text in ("predicted", "rep 704", "rep 646", "57-72 s", L40_DATASHEET.source[:30], "fallback host-staged"):
+    for text in ("predicted", "rep 704", "rep 646", "57-72 s", L40_DATASHEET.source[:30],
+                 "glmctl.collectives.cost_model"):
         assert text in proc.stdout, text
     data = json.loads(run_cli("plan", "--predict", str(path), "--json").stdout)
     assert data["cells"][0]["report_tok_s"] == 704.0 and data["target"]["memory_bandwidth_gbps"] == 864.0
