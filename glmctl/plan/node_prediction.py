@@ -377,7 +377,8 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
         f"stand-in figures: {run.device.source}",
         f"target figures: {target.source}",
         "the rank model's sampler sees its own vocabulary; on the node each rank gathers the full "
-        f"{model.vocab_size:,}-token logits first, so sampler_mtp is an underestimate there",
+        f"{model.vocab_size:,}-token logits first, so the sampler's kinds (sampler, sampler_mtp) are an "
+        "underestimate there",
         "launch_gaps are not scaled: in-graph launch latency is taken as equal on both GPUs",
     ]
     if run.device.fp8_tflops is None and any(b == "compute_fp8" for b in bounds.values()):
