@@ -19,7 +19,9 @@ Launches (grids depend on T only: CUDA-graph safe, no host sync, no allocation):
   3. down      grid (max_runs, H / BLOCK_N2): a run's rows x BLOCK_N2 output columns, Hadamard
      * svh * routing weight -> y[s] (fp32).
   4. combine   grid (T, H / 1024): out[t] = sum of y over the token's picks in pick order.
-Hadamard products run as tf32 dots with +-1 entries and the 1/sqrt(128) applied in fp32.
+Hadamard products run on 64-halves (H128 = [[H64, H64], [H64, -H64]]) as dots with +-1 entries,
+the 1/sqrt(128) applied in fp32: fp16 operands where exllamav3 keeps fp16 scratch (rotated
+inputs, gate/up, activations), tf32 for the down output, which exllamav3 keeps in fp32.
 """
 
 from __future__ import annotations
@@ -100,25 +102,30 @@ def _prologue_kernel(x_ptr, x_stride, ids_ptr, gsuh_ptr, gsuh_stride, usuh_ptr, 
     s = pid // 2
     p = pid % 2
     e = tl.load(ids_ptr + s).to(tl.int64)
+    # every 128-block as its two 64-halves: H128 v = [H64 (v0 + v1), H64 (v0 - v1)]
     blk = tl.arange(0, NB_PAD)[:, None]
-    col = tl.arange(0, 128)[None, :]
-    offs = blk * 128 + col
+    lo = blk * 128 + tl.arange(0, 64)[None, :]
     inside = blk < H // 128
-    x = tl.load(x_ptr + (s // TOPK) * x_stride + offs, mask=inside, other=0.0).to(tl.float32)
+    xrow = x_ptr + (s // TOPK) * x_stride
+    x0 = tl.load(xrow + lo, mask=inside, other=0.0).to(tl.float32)
+    x1 = tl.load(xrow + lo + 64, mask=inside, other=0.0).to(tl.float32)
     if CHECK:
         if (p == 0) & (s % TOPK == 0):  # one count per token
-            bad = tl.sum(tl.sum(tl.where(tl.abs(x) <= _SAFE, 0, 1), 1), 0)
+            bad = tl.sum(tl.sum(tl.where(tl.abs(x0) <= _SAFE, 0, 1) + tl.where(tl.abs(x1) <= _SAFE, 0, 1), 1), 0)
             tl.atomic_add(clamp_ptr, bad.to(tl.int64))
-        x = tl.minimum(tl.maximum(x, -_SAFE), _SAFE)
-    x = x.to(tl.float16).to(tl.float32)
+        x0 = tl.minimum(tl.maximum(x0, -_SAFE), _SAFE)
+        x1 = tl.minimum(tl.maximum(x1, -_SAFE), _SAFE)
     if p == 0:
         suh_row = gsuh_ptr + e * gsuh_stride
     else:
         suh_row = usuh_ptr + e * usuh_stride
-    v = x * tl.load(suh_row + offs, mask=inside, other=0.0).to(tl.float32)
-    kp = tl.arange(0, 128)
-    r = tl.dot(v, _hadamard(kp, _k_of_kprime(kp)), input_precision="tf32") * _INV128
-    tl.store(xrot_ptr + s * (2 * H) + p * H + offs, r.to(tl.float16), mask=inside)
+    v0 = x0.to(tl.float16).to(tl.float32) * tl.load(suh_row + lo, mask=inside, other=0.0).to(tl.float32)
+    v1 = x1.to(tl.float16).to(tl.float32) * tl.load(suh_row + lo + 64, mask=inside, other=0.0).to(tl.float32)
+    i = tl.arange(0, 64)
+    hp = _hadamard(i, _k_of_kprime(i)).to(tl.float16)  # [i, k'] = H64[i, k(k')]: output in k' order
+    dst = xrot_ptr + s * (2 * H) + p * H + lo
+    tl.store(dst, (tl.dot((v0 + v1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=inside)
+    tl.store(dst + 64, (tl.dot((v0 - v1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=inside)
 
 
 @triton.jit
@@ -190,25 +197,42 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
         if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT_K - 1:
             return
         tl.atomic_xchg(counter, 0)  # ready for the next call
-    n = tl.arange(0, 128)
-    g = tl.zeros((128, ROWS), dtype=tl.float32)
-    u = tl.zeros((128, ROWS), dtype=tl.float32)
+    # finish the 128-column block, as 64-halves (H128 [g0; g1] = [H64 (g0 + g1); H64 (g0 - g1)]),
+    # in fp16 operands like exllamav3's fp16 gate/up scratch
+    i = tl.arange(0, 64)
+    g0 = tl.zeros((64, ROWS), dtype=tl.float32)
+    g1 = tl.zeros((64, ROWS), dtype=tl.float32)
+    u0 = tl.zeros((64, ROWS), dtype=tl.float32)
+    u1 = tl.zeros((64, ROWS), dtype=tl.float32)
     for q in tl.static_range(SPLIT_K):
-        src = part_ptr + q * part_split_stride + slot[None, :] * (2 * I) + nb * 128 + n[:, None]
-        g += tl.load(src, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        u += tl.load(src + I, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-    had = _hadamard(n, n)
-    col = nb * 128 + n
-    g = tl.dot(had, g, input_precision="tf32") * (tl.load(gsvh_ptr + e * gsvh_stride + col).to(tl.float32)
-                                                  * _INV128)[:, None]
-    u = tl.dot(had, u, input_precision="tf32") * (tl.load(usvh_ptr + e * usvh_stride + col).to(tl.float32)
-                                                  * _INV128)[:, None]
-    if act_limit > 0:
-        g = tl.minimum(g, act_limit)
-        u = tl.minimum(tl.maximum(u, -act_limit), act_limit)
-    a = g * tl.sigmoid(g) * u * tl.load(dsuh_ptr + e * dsuh_stride + col).to(tl.float32)[:, None]
-    act = tl.dot(_hadamard(_k_of_kprime(n), n), a, input_precision="tf32") * _INV128
-    tl.store(act_ptr + slot[None, :] * I + col[:, None], act.to(tl.float16), mask=valid[None, :])
+        src = part_ptr + q * part_split_stride + slot[None, :] * (2 * I) + nb * 128 + i[:, None]
+        g0 += tl.load(src, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+        g1 += tl.load(src + 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+        u0 += tl.load(src + I, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+        u1 += tl.load(src + I + 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+    had = _hadamard(i, i).to(tl.float16)
+    col = nb * 128 + i
+    gs = gsvh_ptr + e * gsvh_stride + col
+    us = usvh_ptr + e * usvh_stride + col
+    ds = dsuh_ptr + e * dsuh_stride + col
+    a0 = _swiglu(tl.dot(had, (g0 + g1).to(tl.float16)) * (tl.load(gs).to(tl.float32) * _INV128)[:, None],
+                 tl.dot(had, (u0 + u1).to(tl.float16)) * (tl.load(us).to(tl.float32) * _INV128)[:, None],
+                 act_limit) * tl.load(ds).to(tl.float32)[:, None]
+    a1 = _swiglu(tl.dot(had, (g0 - g1).to(tl.float16)) * (tl.load(gs + 64).to(tl.float32) * _INV128)[:, None],
+                 tl.dot(had, (u0 - u1).to(tl.float16)) * (tl.load(us + 64).to(tl.float32) * _INV128)[:, None],
+                 act_limit) * tl.load(ds + 64).to(tl.float32)[:, None]
+    hp = _hadamard(_k_of_kprime(i), i).to(tl.float16)  # [k', i] = H64[k(k'), i]: rows in k' order
+    dst = act_ptr + slot[None, :] * I + col[:, None]
+    tl.store(dst, (tl.dot(hp, (a0 + a1).to(tl.float16)) * _INV128).to(tl.float16), mask=valid[None, :])
+    tl.store(dst + 64, (tl.dot(hp, (a0 - a1).to(tl.float16)) * _INV128).to(tl.float16), mask=valid[None, :])
+
+
+@triton.jit
+def _swiglu(g, u, limit):
+    if limit > 0:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g * tl.sigmoid(g) * u
 
 
 @triton.jit
@@ -226,10 +250,13 @@ def _down_kernel(act_ptr, dtr_ptr, dtr_stride, dsvh_ptr, dsvh_stride, rw_ptr, or
     woff, poff = _word_offsets(ROW_WORDS, BKT)
     a_ptrs = act_ptr + slot[None, :] * I + tl.arange(0, BLOCK_K)[:, None]
     scale = tl.load(rw_ptr + slot, mask=valid, other=0.0).to(tl.float32) * _INV128
-    n = tl.arange(0, 128)
-    half_row = tl.arange(0, 64)
-    h0 = _hadamard(n, _n_of_half_row(half_row, 0))
-    h1 = _hadamard(n, _n_of_half_row(half_row, 1))
+    # output Hadamard from the two column-half accumulators: with A[j, n''] = H64[j, n(0, n'') % 64],
+    # D = (-1)^bit3(j) (half 1 sits 8 columns right) and S = -1 on the right 64 columns (n'' >= 32):
+    # y[:64] = A acc0 + D A acc1, y[64:] = A S acc0 + D A S acc1
+    i = tl.arange(0, 64)
+    amat = _hadamard(i, _n_of_half_row(i, 0) % 64)
+    dsign = (1 - 2 * ((i // 8) % 2)).to(tl.float32)[:, None]
+    ssign = tl.where(i < 32, 1.0, -1.0)[:, None]
     for sub in range(BLOCK_N2 // 128):
         col0 = nb * BLOCK_N2 + sub * 128
         base = dtr_ptr + e * dtr_stride + (col0 // 16) * 32
@@ -242,9 +269,14 @@ def _down_kernel(act_ptr, dtr_ptr, dtr_stride, dsvh_ptr, dsvh_stride, rw_ptr, or
             p = tl.load(base + koff + poff).to(tl.uint32, bitcast=True)
             acc0 = tl.dot(decode_tile_half(w, p, 0, 8, BKT, FAST), at, acc0)
             acc1 = tl.dot(decode_tile_half(w, p, 1, 8, BKT, FAST), at, acc1)
-        y = tl.dot(h0, acc0, input_precision="tf32") + tl.dot(h1, acc1, input_precision="tf32")
-        y = y * tl.load(dsvh_ptr + e * dsvh_stride + col0 + n).to(tl.float32)[:, None] * scale[None, :]
-        tl.store(y_ptr + slot[None, :] * H + col0 + n[:, None], y, mask=valid[None, :])
+        top = (tl.dot(amat, acc0, input_precision="tf32")
+               + dsign * tl.dot(amat, acc1, input_precision="tf32"))
+        bot = (tl.dot(amat, acc0 * ssign, input_precision="tf32")
+               + dsign * tl.dot(amat, acc1 * ssign, input_precision="tf32"))
+        sv = dsvh_ptr + e * dsvh_stride + col0 + i
+        dst = y_ptr + slot[None, :] * H + col0 + i[:, None]
+        tl.store(dst, top * tl.load(sv).to(tl.float32)[:, None] * scale[None, :], mask=valid[None, :])
+        tl.store(dst + 64, bot * tl.load(sv + 64).to(tl.float32)[:, None] * scale[None, :], mask=valid[None, :])
 
 
 @triton.jit
@@ -321,7 +353,7 @@ def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float,
     _down_kernel[(runs, hidden // cfg.block_n2)](
         ws.act, dtr, dst, down[2], down[2].stride(0), weights if weights.is_contiguous() else weights.contiguous(),
         ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, ws.y,
-        H=hidden, I=inter, ROWS=ROWS, BLOCK_K=min(128, inter), BLOCK_N2=cfg.block_n2, FAST=fast,
+        H=hidden, I=inter, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2, FAST=fast,
         num_warps=cfg.warps, num_stages=cfg.stages)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     block = min(1024, hidden)
@@ -357,3 +389,36 @@ def exl3_moe_decode_ref(x, topk_ids, topk_weights, gate, up, down, act_limit: fl
             g, u = g.clamp(max=act_limit), u.clamp(-act_limit, act_limit)
         out.index_add_(0, tok, (torch.nn.functional.silu(g) * u) @ wd * w[tok, pick].unsqueeze(1))
     return out
+
+
+def shipped_configs(hidden: int = 4096, intermediate: int = 256, top_k: int = 8, experts: int = 288,
+                    target_tokens: tuple[int, ...] = (1, 32)):
+    """(name, jit function, {arg: type}, {constexpr: value}, options) of every launch the path
+    makes at GLM-5.3-Flash's TP8 shape, for a cross-compile check (glmctl.kernels.sm89_check)."""
+    i32, i64, f32 = "i32", "i64", "fp32"
+    runs = dict(order_ptr="*i32", run_e_ptr="*i32", run_s_ptr="*i32", run_n_ptr="*i32", meta_ptr="*i32")
+    for tokens in target_tokens:
+        slots = tokens * top_k
+        yield (f"exl3_decode_prologue[T{tokens}]", _prologue_kernel,
+               dict(x_ptr="*bf16", x_stride=i64, ids_ptr="*i32", gsuh_ptr="*fp16", gsuh_stride=i64,
+                    usuh_ptr="*fp16", usuh_stride=i64, xrot_ptr="*fp16", clamp_ptr="*i64", S=i32, E=i32, **runs),
+               dict(TOPK=top_k, H=hidden, NB_PAD=max(16, hidden // 128), S_PAD=triton.next_power_of_2(slots),
+                    E_PAD=triton.next_power_of_2(experts + 1), MAX_CHUNKS=triton.cdiv(tokens, ROWS), ROWS=ROWS,
+                    CHECK=True),
+               dict(num_warps=4, num_stages=1))
+    for cfg in DECODE_CONFIGS.values():
+        yield (f"exl3_decode_gate_up[{cfg.name}]", _gate_up_kernel,
+               dict(xrot_ptr="*fp16", gtr_ptr="*i32", gtr_stride=i64, utr_ptr="*i32", utr_stride=i64,
+                    gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16", usvh_stride=i64, dsuh_ptr="*fp16",
+                    dsuh_stride=i64, part_ptr="*fp32", part_split_stride=i64, ctr_ptr="*i32", act_ptr="*fp16",
+                    act_limit=f32, **runs),
+               dict(H=hidden, I=intermediate, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=True),
+               dict(num_warps=cfg.warps, num_stages=cfg.stages))
+        yield (f"exl3_decode_down[{cfg.name}]", _down_kernel,
+               dict(act_ptr="*fp16", dtr_ptr="*i32", dtr_stride=i64, dsvh_ptr="*fp16", dsvh_stride=i64,
+                    rw_ptr="*fp32", y_ptr="*fp32", **runs),
+               dict(H=hidden, I=intermediate, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2,
+                    FAST=True),
+               dict(num_warps=cfg.warps, num_stages=cfg.stages))
+    yield ("exl3_decode_combine", _combine_kernel, dict(y_ptr="*fp32", out_ptr="*bf16", out_stride=i64),
+           dict(H=hidden, TOPK=top_k, BLOCK=1024), dict(num_warps=4, num_stages=1))
