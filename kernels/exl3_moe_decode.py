@@ -33,7 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .exl3_trellis import _hadamard, _k_of_kprime, _n_of_half_row, decode_tile_half, decode_trellis_ref
+from .exl3_trellis import (
+    _hadamard,
+    _k_of_kprime,
+    _n_of_half_row,
+    decode_tile_half,
+    decode_trellis_ref,
+)
 from .triton_env import interpreting
 
 ROWS = 16  # slots per run: the N of the m16n8k16 products
@@ -113,8 +119,8 @@ def _prologue_kernel(x_ptr, x_stride, ids_ptr, gsuh_ptr, gsuh_stride, usuh_ptr, 
         if (p == 0) & (s % TOPK == 0):  # one count per token
             bad = tl.sum(tl.sum(tl.where(tl.abs(x0) <= _SAFE, 0, 1) + tl.where(tl.abs(x1) <= _SAFE, 0, 1), 1), 0)
             tl.atomic_add(clamp_ptr, bad.to(tl.int64))
-        x0 = tl.minimum(tl.maximum(x0, -_SAFE), _SAFE)
-        x1 = tl.minimum(tl.maximum(x1, -_SAFE), _SAFE)
+        x0 = tl.where(x0 == x0, tl.minimum(tl.maximum(x0, -_SAFE), _SAFE), x0)  # NaN stays NaN
+        x1 = tl.where(x1 == x1, tl.minimum(tl.maximum(x1, -_SAFE), _SAFE), x1)
     if p == 0:
         suh_row = gsuh_ptr + e * gsuh_stride
     else:
@@ -153,7 +159,7 @@ def _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS: tl.constexpr
 def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr, gsvh_stride, usvh_ptr,
                     usvh_stride, dsuh_ptr, dsuh_stride, order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr,
                     part_ptr, part_split_stride, ctr_ptr, act_ptr, act_limit,
-                    H: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+                    H: tl.constexpr, INTER: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
                     BLOCK_K: tl.constexpr, FAST: tl.constexpr):
     r = tl.program_id(0)
     nb = tl.program_id(1)
@@ -162,7 +168,7 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
         return
     e, slot, valid = _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS)
     BKT: tl.constexpr = BLOCK_K // 16
-    ROW_WORDS: tl.constexpr = (I // 16) * 32
+    ROW_WORDS: tl.constexpr = (INTER // 16) * 32
     woff, poff = _word_offsets(ROW_WORDS, BKT)
     gbase = gtr_ptr + e * gtr_stride + nb * 256
     ubase = utr_ptr + e * utr_stride + nb * 256
@@ -186,14 +192,14 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
         acc_u0 = tl.dot(decode_tile_half(w, p, 0, 8, BKT, FAST), at_u, acc_u0)
         acc_u1 = tl.dot(decode_tile_half(w, p, 1, 8, BKT, FAST), at_u, acc_u1)
     half_row = tl.arange(0, 64)
-    pbase = part_ptr + ks * part_split_stride + slot[None, :] * (2 * I) + nb * 128
+    pbase = part_ptr + ks * part_split_stride + slot[None, :] * (2 * INTER) + nb * 128
     tl.store(pbase + _n_of_half_row(half_row, 0)[:, None], acc_g0, mask=valid[None, :])
     tl.store(pbase + _n_of_half_row(half_row, 1)[:, None], acc_g1, mask=valid[None, :])
-    tl.store(pbase + I + _n_of_half_row(half_row, 0)[:, None], acc_u0, mask=valid[None, :])
-    tl.store(pbase + I + _n_of_half_row(half_row, 1)[:, None], acc_u1, mask=valid[None, :])
+    tl.store(pbase + INTER + _n_of_half_row(half_row, 0)[:, None], acc_u0, mask=valid[None, :])
+    tl.store(pbase + INTER + _n_of_half_row(half_row, 1)[:, None], acc_u1, mask=valid[None, :])
     tl.debug_barrier()
     if SPLIT_K > 1:  # only the last split to arrive goes on
-        counter = ctr_ptr + r * (I // 128) + nb
+        counter = ctr_ptr + r * (INTER // 128) + nb
         if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT_K - 1:
             return
         tl.atomic_xchg(counter, 0)  # ready for the next call
@@ -205,11 +211,11 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
     u0 = tl.zeros((64, ROWS), dtype=tl.float32)
     u1 = tl.zeros((64, ROWS), dtype=tl.float32)
     for q in tl.static_range(SPLIT_K):
-        src = part_ptr + q * part_split_stride + slot[None, :] * (2 * I) + nb * 128 + i[:, None]
+        src = part_ptr + q * part_split_stride + slot[None, :] * (2 * INTER) + nb * 128 + i[:, None]
         g0 += tl.load(src, mask=valid[None, :], other=0.0, cache_modifier=".cg")
         g1 += tl.load(src + 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        u0 += tl.load(src + I, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        u1 += tl.load(src + I + 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+        u0 += tl.load(src + INTER, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+        u1 += tl.load(src + INTER + 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
     had = _hadamard(i, i).to(tl.float16)
     col = nb * 128 + i
     gs = gsvh_ptr + e * gsvh_stride + col
@@ -222,7 +228,7 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
                  tl.dot(had, (u0 - u1).to(tl.float16)) * (tl.load(us + 64).to(tl.float32) * _INV128)[:, None],
                  act_limit) * tl.load(ds + 64).to(tl.float32)[:, None]
     hp = _hadamard(_k_of_kprime(i), i).to(tl.float16)  # [k', i] = H64[k(k'), i]: rows in k' order
-    dst = act_ptr + slot[None, :] * I + col[:, None]
+    dst = act_ptr + slot[None, :] * INTER + col[:, None]
     tl.store(dst, (tl.dot(hp, (a0 + a1).to(tl.float16)) * _INV128).to(tl.float16), mask=valid[None, :])
     tl.store(dst + 64, (tl.dot(hp, (a0 - a1).to(tl.float16)) * _INV128).to(tl.float16), mask=valid[None, :])
 
@@ -238,7 +244,7 @@ def _swiglu(g, u, limit):
 @triton.jit
 def _down_kernel(act_ptr, dtr_ptr, dtr_stride, dsvh_ptr, dsvh_stride, rw_ptr, order_ptr, run_e_ptr, run_s_ptr,
                  run_n_ptr, meta_ptr, y_ptr,
-                 H: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 H: tl.constexpr, INTER: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_N2: tl.constexpr, FAST: tl.constexpr):
     r = tl.program_id(0)
     nb = tl.program_id(1)
@@ -248,7 +254,7 @@ def _down_kernel(act_ptr, dtr_ptr, dtr_stride, dsvh_ptr, dsvh_stride, rw_ptr, or
     BKT: tl.constexpr = BLOCK_K // 16
     ROW_WORDS: tl.constexpr = (H // 16) * 32
     woff, poff = _word_offsets(ROW_WORDS, BKT)
-    a_ptrs = act_ptr + slot[None, :] * I + tl.arange(0, BLOCK_K)[:, None]
+    a_ptrs = act_ptr + slot[None, :] * INTER + tl.arange(0, BLOCK_K)[:, None]
     scale = tl.load(rw_ptr + slot, mask=valid, other=0.0).to(tl.float32) * _INV128
     # output Hadamard from the two column-half accumulators: with A[j, n''] = H64[j, n(0, n'') % 64],
     # D = (-1)^bit3(j) (half 1 sits 8 columns right) and S = -1 on the right 64 columns (n'' >= 32):
@@ -262,7 +268,7 @@ def _down_kernel(act_ptr, dtr_ptr, dtr_stride, dsvh_ptr, dsvh_stride, rw_ptr, or
         base = dtr_ptr + e * dtr_stride + (col0 // 16) * 32
         acc0 = tl.zeros((64, ROWS), dtype=tl.float32)
         acc1 = tl.zeros((64, ROWS), dtype=tl.float32)
-        for kb in range(I // BLOCK_K):
+        for kb in range(INTER // BLOCK_K):
             koff = kb * (BKT * ROW_WORDS)
             at = tl.load(a_ptrs + kb * BLOCK_K, mask=valid[None, :], other=0.0)
             w = tl.load(base + koff + woff).to(tl.uint32, bitcast=True)
@@ -347,13 +353,13 @@ def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float,
         ws.xrot, gtr, gst, utr, ust, gate[2], gate[2].stride(0), up[2], up[2].stride(0), down[1],
         down[1].stride(0), ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, ws.part, slots * 2 * inter,
         ws.counters, ws.act, float(act_limit or 0.0),
-        H=hidden, I=inter, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=fast,
+        H=hidden, INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=fast,
         num_warps=cfg.warps, num_stages=cfg.stages)
     weights = topk_weights.reshape(-1)
     _down_kernel[(runs, hidden // cfg.block_n2)](
         ws.act, dtr, dst, down[2], down[2].stride(0), weights if weights.is_contiguous() else weights.contiguous(),
         ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, ws.y,
-        H=hidden, I=inter, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2, FAST=fast,
+        H=hidden, INTER=inter, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2, FAST=fast,
         num_warps=cfg.warps, num_stages=cfg.stages)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     block = min(1024, hidden)
@@ -412,12 +418,12 @@ def shipped_configs(hidden: int = 4096, intermediate: int = 256, top_k: int = 8,
                     gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16", usvh_stride=i64, dsuh_ptr="*fp16",
                     dsuh_stride=i64, part_ptr="*fp32", part_split_stride=i64, ctr_ptr="*i32", act_ptr="*fp16",
                     act_limit=f32, **runs),
-               dict(H=hidden, I=intermediate, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=True),
+               dict(H=hidden, INTER=intermediate, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=True),
                dict(num_warps=cfg.warps, num_stages=cfg.stages))
         yield (f"exl3_decode_down[{cfg.name}]", _down_kernel,
                dict(act_ptr="*fp16", dtr_ptr="*i32", dtr_stride=i64, dsvh_ptr="*fp16", dsvh_stride=i64,
                     rw_ptr="*fp32", y_ptr="*fp32", **runs),
-               dict(H=hidden, I=intermediate, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2,
+               dict(H=hidden, INTER=intermediate, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2,
                     FAST=True),
                dict(num_warps=cfg.warps, num_stages=cfg.stages))
     yield ("exl3_decode_combine", _combine_kernel, dict(y_ptr="*fp32", out_ptr="*bf16", out_stride=i64),

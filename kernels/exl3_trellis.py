@@ -79,7 +79,7 @@ def decode_trellis_ref(trellis, bits: int):
     window = ((p.unsqueeze(1) + 1) * bits - 16 + torch.arange(16).unsqueeze(0)) % length  # [256, 16]
     states = (stream[:, :, window] << torch.arange(15, -1, -1)).sum(-1)  # [kt, nt, 256]
     values = mul1_values(states)
-    rows, cols = zip(*(tensor_core_position(q) for q in range(256)))
+    rows, cols = zip(*(tensor_core_position(q) for q in range(256)), strict=True)
     tile = torch.empty((kt, nt, 16, 16), dtype=torch.float16)
     tile[:, :, torch.tensor(rows), torch.tensor(cols)] = values
     return tile.permute(0, 2, 1, 3).reshape(kt * 16, nt * 16)

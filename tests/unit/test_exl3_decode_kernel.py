@@ -15,9 +15,10 @@ torch = pytest.importorskip("torch")
 
 from glmctl.kernels.triton_env import import_interpreted, run_in_fresh_interpreter_process  # noqa: E402
 
-_modules = import_interpreted("glmctl.kernels.exl3_trellis", "glmctl.kernels.exl3_moe_decode")
+_modules = import_interpreted("glmctl.kernels.exl3_trellis", "glmctl.kernels.exl3_moe_decode",
+                              "glmctl.kernels.exl3_coop_io")
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
-trellis_mod, moe_mod = _modules or (None, None)
+trellis_mod, moe_mod, coop_io = _modules or (None, None, None)
 
 
 @pytest.mark.skipif(_modules is not None, reason="ran in this process")
@@ -177,3 +178,20 @@ def test_moe_decode_counts_and_clamps_out_of_range_inputs():
     y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws, moe_mod.DECODE_CONFIGS["split4"])
     assert int(clamped) == 3
     assert torch.isfinite(y[1:].float()).all()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_coop_inputs_match_the_torch_conversions(dtype):
+    x = (torch.randn(3, 256) * 100).to(dtype)
+    if dtype == torch.bfloat16:
+        x[1, :2] = torch.tensor([1e6, float("nan")])
+    ids = torch.randint(0, 9, (3, 8), dtype=torch.int32)
+    w = torch.rand(3, 8)
+    got_n, want_n = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    got = coop_io.coop_inputs(x, ids, w, got_n)
+    want = coop_io.coop_inputs_ref(x, ids, w, want_n)
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == r.dtype and torch.equal(g[~g.isnan()] if g.is_floating_point() else g,
+                                                  r[~r.isnan()] if r.is_floating_point() else r)
+    assert int(got_n) == int(want_n) == (2 if dtype == torch.bfloat16 else 0)
