@@ -50,5 +50,5 @@ for p in (r.get("mgemm_barrier_sm90") or {}).get("probes", []):
     print("mgemm", p)
 PY
 echo "tests rc=$test_rc bench rc=$bench_rc"
-cat "$OUT/exl3-bench.md" 2>/dev/null || tail -n 30 "$OUT/exl3-bench.log"
+cat "$OUT/moe-bench.md" 2>/dev/null || tail -n 30 "$OUT/exl3-bench.log"
 exit $(( test_rc || bench_rc ))
