@@ -165,6 +165,13 @@ def run(args) -> dict:
     plan += [(p, t) for p in select(args.sweep, names) for t in args.sweep_tokens if (p, t) not in plan]
     notes, rows, agree = [], [], {}
     bw = None if (args.warm or args.profile) else copy_bandwidth(torch, device)
+
+    def checkpoint():  # a run cut short by its time limit still leaves its rows
+        if args.out and not (args.warm or args.profile):
+            args.out.mkdir(parents=True, exist_ok=True)
+            partial = {"partial": True, "device": props.name, "tag": args.tag, "copy_bw_bytes_per_s": round(bw),
+                       "rows": rows, "notes": notes}
+            (args.out / f"{stem(args)}.json").write_text(json.dumps(partial, indent=1) + "\n")
     if not args.warm and not args.profile:
         paths.exl3.warm_up(sorted({t for _, t in plan} | {1, 8, 32}), TOP_K)
     if args.profile:
@@ -197,6 +204,7 @@ def run(args) -> dict:
             rows[-1]["launches"] = launches(torch, fn, inputs)
         except Exception as exc:
             rows[-1]["launches"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        checkpoint()
         print(json.dumps(rows[-1]), flush=True)
     if args.profile:
         torch.cuda.profiler.stop()
@@ -217,6 +225,7 @@ def run(args) -> dict:
                          "frac_copy": round(nbytes / (us * 1e-6) / bw, 3), "experts": round(experts, 1),
                          "tag": args.tag})
             print(json.dumps(rows[-1]), flush=True)
+            checkpoint()
     mem = {"exl3": paths.exl3.weight_bytes, "fp8_block128": fp8_block_bytes(), "bf16": EXPERTS * 3 * HIDDEN * INTER * 2}
     from importlib.metadata import version
 
@@ -287,6 +296,10 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def stem(args) -> str:
+    return f"moe-bench{'-' + args.tag if args.tag else ''}"
+
+
 def ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
@@ -315,9 +328,8 @@ def main() -> int:
     text = table(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"moe-bench{'-' + args.tag if args.tag else ''}"
-        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (args.out / f"{stem}.md").write_text(text + "\n")
+        (args.out / f"{stem(args)}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"{stem(args)}.md").write_text(text + "\n")
     print(json.dumps(result, indent=2) if args.json else text)
     return 0
 

@@ -43,11 +43,22 @@ def _num(text: str):
         return None
 
 
+UNIT_SCALE = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9, "byte": 1, "Kbyte": 1e3,
+              "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}  # to ns and bytes
+
+
 def read_rows(path: str) -> list[dict]:
     with open(path, newline="") as f:
         lines = [ln for ln in f if not ln.startswith("==")]
     rows = list(csv.DictReader(lines))
-    return rows[1:] if rows and rows[0].get("ID", "") == "" else rows  # the units row
+    if not rows or rows[0].get("ID", "") != "":
+        return rows
+    units, rows = rows[0], rows[1:]  # the units row: bring time to ns and sizes to bytes
+    for row in rows:
+        for key, unit in units.items():
+            if unit in UNIT_SCALE and _num(row.get(key, "")) is not None:
+                row[key] = str(_num(row[key]) * UNIT_SCALE[unit])
+    return rows
 
 
 def kernel_summary(row: dict) -> dict:
