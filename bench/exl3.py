@@ -210,7 +210,10 @@ def run(args) -> dict:
         torch.cuda.profiler.stop()
     if args.warm or args.profile:
         return {"rows": [], "notes": notes}
-    agree = agreement(torch, paths, [p for p, _ in plan if p.startswith("exl3_")], device)
+    try:
+        agree = agreement(torch, paths, [p for p, _ in plan if p.startswith("exl3_")], device)
+    except Exception as exc:
+        notes.append(f"agreement check: {type(exc).__name__}: {str(exc)[:200]}")
     for tokens in args.prefill:
         inputs = routings(torch, tokens, 1, device, 7)
         for name in select(args.prefill_paths, names):
@@ -259,8 +262,11 @@ def agreement(torch, paths, names: list[str], device) -> dict:
         ref = ref_fn(x, ids, w, 0).float()
         for name in dict.fromkeys(names):
             if name != "exl3_coop" and paths.supports(name, tokens):
-                fn, _, _ = paths.get(name, [(x, ids, w)])
-                out.setdefault(name, {})[tokens] = float((fn(x, ids, w, 0).float() - ref).norm() / ref.norm())
+                try:
+                    fn, _, _ = paths.get(name, [(x, ids, w)])
+                    out.setdefault(name, {})[tokens] = float((fn(x, ids, w, 0).float() - ref).norm() / ref.norm())
+                except Exception as exc:
+                    out.setdefault(name, {})[tokens] = f"{type(exc).__name__}: {str(exc)[:100]}"
         if tokens == 8:
             touched = ids.unique().tolist()
             deq = []
@@ -291,7 +297,8 @@ def table(result: dict) -> str:
     lines += ["", f"expert weights per GPU, whole model (43 MoE layers, TP8): EXL3 {gib['exl3']} GiB, "
                   f"block-FP8 {gib['fp8_block128']} GiB, bf16 {gib['bf16']} GiB"]
     for name, by_t in result["agree"].items():
-        lines.append(f"agree {name}: " + ", ".join(f"{t}: {d:.1e}" for t, d in by_t.items()))
+        lines.append(f"agree {name}: " + ", ".join(f"{t}: {d:.1e}" if isinstance(d, float) else f"{t}: {d}"
+                                                   for t, d in by_t.items()))
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 

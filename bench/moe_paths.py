@@ -132,8 +132,9 @@ class Paths:
 
             if tokens > MAX_TOKENS:
                 return False
-            cfg = name.partition(".")[2]
-            return not cfg or (HIDDEN // DECODE_CONFIGS[cfg].block_k) % DECODE_CONFIGS[cfg].split_k == 0
+            cfg = DECODE_CONFIGS.get(name.partition(".")[2])
+            # the workspace holds split-k partials for split_k * tokens <= 2 * MAX_TOKENS
+            return cfg is None or ((HIDDEN // cfg.block_k) % cfg.split_k == 0 and cfg.split_k * tokens <= 2 * MAX_TOKENS)
         return True
 
     def get(self, name: str, inputs: list):
