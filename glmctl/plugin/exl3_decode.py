@@ -31,10 +31,10 @@ def decode_path_from_env() -> str:
 
 
 def pick_decode_path(tokens: int, top_k: int, bits: float, triton_ok: bool) -> str:
-    """The rule `auto` follows (no GPU measurement has ranked the paths yet: exllamav3's coop
-    kernel with the one-launch input preparation, which does the same work in fewer launches)."""
+    """The rule `auto` follows: exllamav3's coop kernel at every decode size (the path whose
+    figures are in bench/results/exl3-h200.md; the others are selectable by name)."""
     del tokens, top_k, bits, triton_ok
-    return "coop_lean"
+    return "coop"
 
 
 class TritonDecode:
