@@ -1,110 +1,44 @@
 #!/usr/bin/env python3
-"""One GLM-5.3-Flash MoE layer at TP8 on one GPU: EXL3 4-bit experts vs FP8 and bf16 experts.
+"""One GLM-5.3-Flash MoE layer at TP8 on one GPU: every routed-expert path, against the bytes it must move.
 
-    python bench/exl3.py [--tokens 1,2,4,8,16,32,48] [--prefill 8192] [--out DIR]
+    python bench/exl3.py [--tokens 1,8,32,48] [--paths exl3_coop,exl3_auto,...] [--sweep PATTERNS]
+                         [--prefill 2048,8192] [--vllm-fused-moe PATH] [--tag NAME] [--out DIR] [--json]
+    python bench/exl3.py --warm ...      compile / warm every selected path, no timing
+    python bench/exl3.py --profile ...   one eager call per (path, tokens), between
+                                         cudaProfilerStart/Stop, each after a `spin_kernel` marker
+                                         (for Nsight Compute: bench/gpu/moe_v2.sh)
 
-Shapes: 288 routed experts, top-8, hidden 4096, moe_intermediate 2048 split over 8 ranks (256
-channels per rank), i.e. exactly one rank's share of a layer. The routed experts only (the
-shared expert and the router are the same in every variant and are left out).
+Shapes: 288 routed experts, top-8, hidden 4096, moe_intermediate 2048 over 8 ranks (256 channels
+per rank): one rank's share of a layer, routed experts only. Paths: bench/moe_paths.py.
 
-  exl3   glmctl.plugin.exl3_experts.Exl3MoE as the plugin runs it, 4 bits/weight (random trellis
-         bits: the kernels' cost does not depend on the values): exl3_moe_coop up to 256 slots
-         (32 tokens), exl3_moe above; `exl3 fused` forces exl3_moe at every size
-  fp8    torch: sort by expert + torch._scaled_grouped_mm (e4m3 weights with per-channel scales,
-         per-token dynamic e4m3 activations), SwiGLU, weighted scatter-add
-  bf16   the same with torch._grouped_mm on bf16 weights
-
-Decode sizes (1..48 tokens) are timed as CUDA-graph replays, the way vLLM runs them; each replay
-runs 16 layers' worth of different routings back to back so that expert weights do not stay in
-L2 between calls. The prefill chunk runs eagerly (vLLM does not capture it). Latency is the median
-of 5 timed rounds (CUDA events). Expert bytes per GPU are exact arithmetic over the tensors each
-variant holds; the model total multiplies by GLM-5.3-Flash's 43 MoE layers (42 + MTP).
-Writes exl3-bench.json and exl3-bench.md to --out and prints the table last.
+Per row: `us` is the median of 5 rounds of CUDA-event timing of CUDA-graph replays, each replay
+running 16 different uniform routings back to back (so weights do not stay in L2), per call;
+prefill chunks run eagerly as vLLM runs them. `bytes` is what the call must move at least: the
+distinct experts its routing touches (counted from each of the 16 routings, averaged) x that
+path's bytes per expert, plus the activations (bf16 x in and out, ids and weights).
+`frac_copy` = bytes / us / (device-to-device copy bandwidth measured in the same run, read +
+write bytes of a 1 GiB torch copy). Writes moe-bench.json / moe-bench.md to --out; the table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
-import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-EXPERTS, TOP_K, HIDDEN, INTER_FULL, TP = 288, 8, 4096, 2048, 8
-INTER = INTER_FULL // TP
-BITS = 4
-MOE_LAYERS = 43  # transformers 5.24 Glm5NextTextConfig: 42 "sparse" mlp_layer_types + the MTP layer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_paths import EXPERTS, HIDDEN, INTER, TOP_K, Paths, fp8_block_bytes  # noqa: E402
+
 CALLS_PER_REPLAY = 16
-SWIGLU_LIMIT = 10.0
-
-
-def exl3_layer(torch, device):
-    from glmctl.plugin.exl3_experts import Exl3MoE, Exl3Projection
-
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def proj(k, n):
-        trellis = torch.randint(-2**15, 2**15, (EXPERTS, k // 16, n // 16, 16 * BITS), dtype=torch.int16,
-                                device=device, generator=g)
-        # |suh * svh| ~ 1/sqrt(k): unit-variance outputs from unit-variance inputs, fp16-safe
-        scale = k ** -0.25
-        suh = (torch.randint(0, 2, (EXPERTS, k), device=device, generator=g) * 2 - 1).half() * scale
-        svh = (torch.randint(0, 2, (EXPERTS, n), device=device, generator=g) * 2 - 1).half() * scale
-        return Exl3Projection(trellis, suh, svh)
-
-    return Exl3MoE(proj(HIDDEN, INTER), proj(HIDDEN, INTER), proj(INTER, HIDDEN), BITS, SWIGLU_LIMIT)
-
-
-class TorchExperts:
-    """Sort by expert, grouped GEMMs, SwiGLU, weighted scatter-add: sync-free and capturable."""
-
-    def __init__(self, torch, device, fp8: bool) -> None:
-        self.torch, self.fp8 = torch, fp8
-        g = torch.Generator(device=device).manual_seed(1)
-        w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 64
-        w2 = torch.randn(EXPERTS, HIDDEN, INTER, device=device, generator=g, dtype=torch.bfloat16) / 16
-        if fp8:
-            self.w13, self.s13 = self._quant_rows(w13)
-            self.w2, self.s2 = self._quant_rows(w2)
-        else:
-            self.w13, self.w2 = w13, w2
-        self.impl = "torch._scaled_grouped_mm" if fp8 else "torch._grouped_mm"
-
-    def _quant_rows(self, w):
-        torch = self.torch
-        scale = w.float().abs().amax(-1).clamp(min=1e-8) / 448.0  # per output channel
-        return (w.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
-
-    @property
-    def weight_bytes(self) -> int:
-        ts = [self.w13, self.w2] + ([self.s13, self.s2] if self.fp8 else [])
-        return sum(t.numel() * t.element_size() for t in ts)
-
-    def _gemm(self, a, w, s, offs):
-        torch = self.torch
-        if not self.fp8:
-            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
-        a_scale = a.float().abs().amax(-1).clamp(min=1e-8) / 448.0
-        a8 = (a.float() / a_scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
-        return torch._scaled_grouped_mm(a8, w.transpose(1, 2), a_scale, s, offs=offs, out_dtype=torch.bfloat16)
-
-    def __call__(self, x, ids, weights):
-        torch = self.torch
-        flat = ids.reshape(-1).long()
-        order = torch.argsort(flat)
-        tok = torch.div(order, ids.shape[1], rounding_mode="floor")
-        counts = torch.zeros(EXPERTS, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        xs = x[tok]
-        gu = self._gemm(xs, self.w13, self.s13 if self.fp8 else None, offs)
-        g, u = gu[:, :INTER].float().clamp(max=SWIGLU_LIMIT), gu[:, INTER:].float().clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-        a = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
-        y = self._gemm(a, self.w2, self.s2 if self.fp8 else None, offs)
-        out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float32, device=x.device)
-        out.index_add_(0, tok, y.float() * weights.reshape(-1)[order].float().unsqueeze(1))
-        return out.to(x.dtype)
+MOE_LAYERS = 43  # transformers 5.24 Glm5NextTextConfig: 42 "sparse" mlp_layer_types + the MTP layer
+DEFAULT_PATHS = "exl3_coop,exl3_coop_lean,exl3_auto,exl3_triton,fp8_torch,bf16_torch,fp8_vllm_k.vllm_default"
+EXL3_PATH_NAMES = ("exl3_coop", "exl3_coop_lean", "exl3_auto", "exl3_fused", "exl3_triton")
 
 
 def routings(torch, tokens: int, n: int, device, seed: int):
@@ -118,17 +52,35 @@ def routings(torch, tokens: int, n: int, device, seed: int):
     return out
 
 
+def copy_bandwidth(torch, device, size: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy, read + write counted."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    del src, dst
+    return 2 * size / statistics.median(times)
+
+
 def time_graph(torch, fn, inputs, rounds: int = 5, replays: int = 10) -> float:
     """Median microseconds per call over graph replays of len(inputs) back-to-back calls."""
-    for x, ids, w in inputs[:2]:
-        fn(x, ids, w)
+    for i, (x, ids, w) in enumerate(inputs[:2]):
+        fn(x, ids, w, i)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for x, ids, w in inputs:
-            fn(x, ids, w)
+        for i, (x, ids, w) in enumerate(inputs):
+            fn(x, ids, w, i)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):
         graph.replay()
@@ -142,149 +94,249 @@ def time_graph(torch, fn, inputs, rounds: int = 5, replays: int = 10) -> float:
         b.record()
         b.synchronize()
         per_call.append(a.elapsed_time(b) * 1000 / replays / len(inputs))
+    del graph
     return statistics.median(per_call)
 
 
 def time_eager(torch, fn, inputs, rounds: int = 5) -> float:
     x, ids, w = inputs[0]
-    fn(x, ids, w)
+    fn(x, ids, w, 0)
     torch.cuda.synchronize()
     out = []
     for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn(x, ids, w)
+        fn(x, ids, w, 0)
         b.record()
         b.synchronize()
         out.append(a.elapsed_time(b) * 1000)
     return statistics.median(out)
 
 
-def fp8_block_bytes(block: int = 128) -> int:
-    """Per-layer, per-rank bytes of block-FP8 experts as vLLM 0.30 holds them (e4m3 + fp32 scales)."""
-    per = 0
-    for k, n in ((HIDDEN, INTER), (HIDDEN, INTER), (INTER, HIDDEN)):
-        per += k * n + math.ceil(k / block) * math.ceil(n / block) * 4
-    return EXPERTS * per
+def launches(torch, fn, inputs) -> dict:
+    """GPU activities of one eager call (kernels, memsets, copies), from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, ids, w = inputs[0]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x, ids, w, 0)
+        torch.cuda.synchronize()
+    names: dict[str, int] = {}
+    busy = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            key = e.name.split("(")[0][-60:]
+            names[key] = names.get(key, 0) + 1
+            busy += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return {"count": sum(names.values()), "busy_us": round(busy, 1), "names": names}
 
 
-def run(tokens: list[int], prefill: int) -> dict:
+def must_move(inputs, per_expert: float) -> tuple[float, float]:
+    """(bytes, mean distinct experts) over the routings: expert weights + activations."""
+    experts = statistics.mean(len(ids.unique()) for _, ids, _ in inputs)
+    tokens = inputs[0][0].shape[0]
+    return experts * per_expert + tokens * HIDDEN * 2 * 2 + tokens * TOP_K * 8, experts
+
+
+def select(patterns: str, names: list[str]) -> list[str]:
+    out = []
+    for pat in filter(None, (p.strip() for p in patterns.split(","))):
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pat)] or [pat]
+        out += [h for h in hits if h not in out]
+    return out
+
+
+def all_names() -> list[str]:
+    from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
+    from moe_fp8_vllm import SWEEP
+
+    return (list(EXL3_PATH_NAMES) + [f"exl3_triton.{c}" for c in DECODE_CONFIGS] + ["fp8_torch", "bf16_torch"]
+            + [f"{p}.{c}" for p in ("fp8_vllm", "fp8_vllm_k") for c in ["vllm_default"] + [s.name for s in SWEEP]])
+
+
+def run(args) -> dict:
     import torch
 
     device = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(device)
-    exl3 = exl3_layer(torch, device)
+    paths = Paths(torch, device, args.vllm_fused_moe)
+    names = all_names()
+    plan = [(p, t) for p in select(args.paths, names) for t in args.tokens]
+    plan += [(p, t) for p in select(args.sweep, names) for t in args.sweep_tokens if (p, t) not in plan]
+    notes, rows, agree = [], [], {}
+    bw = None if (args.warm or args.profile) else copy_bandwidth(torch, device)
 
-    def decode_with(kind):
-        def fn(x, ids, w):
-            exl3.decode_kernel = kind  # read while the graph is captured: each capture bakes one kernel
-            return exl3(x, ids, w)
-        return fn
-
-    variants = {"exl3": decode_with("coop"), "exl3_fused": decode_with("fused")}
-    notes = []
-    for name, fp8 in (("fp8", True), ("bf16", False)):
+    def checkpoint():  # a run cut short by its time limit still leaves its rows
+        if args.out and not (args.warm or args.profile):
+            args.out.mkdir(parents=True, exist_ok=True)
+            partial = {"partial": True, "device": props.name, "tag": args.tag, "copy_bw_bytes_per_s": round(bw),
+                       "rows": rows, "notes": notes}
+            (args.out / f"{stem(args)}.json").write_text(json.dumps(partial, indent=1) + "\n")
+    if not args.warm and not args.profile:
+        paths.exl3.warm_up(sorted({t for _, t in plan} | {1, 8, 32}), TOP_K)
+    if args.profile:
+        torch.cuda.profiler.start()
+    for name, tokens in plan:
+        if not paths.supports(name, tokens):
+            continue
+        inputs = routings(torch, tokens, 2 if (args.warm or args.profile) else CALLS_PER_REPLAY, device, tokens)
         try:
-            v = TorchExperts(torch, device, fp8)
-            x, ids, w = routings(torch, 4, 1, device, 0)[0]
-            v(x, ids, w)
-            torch.cuda.synchronize()
-            variants[name] = v
-        except Exception as exc:  # a torch without grouped GEMMs for this dtype/arch: say so
-            notes.append(f"{name}: unavailable ({type(exc).__name__}: {str(exc)[:160]})")
-    for kind in ("coop", "fused"):
-        exl3.decode_kernel = kind
-        exl3.warm_up(tokens, TOP_K)
-    # The two EXL3 kernels must agree at the real shape (288 experts, top-8): a cross-check
-    agree = {}
-    for t in (1, 8, 32):
-        x, ids, w = routings(torch, t, 1, device, 99)[0]
-        outs = []
-        for kind in ("coop", "fused"):
-            exl3.decode_kernel = kind
-            outs.append(exl3(x, ids, w).float())
-        agree[t] = float((outs[0] - outs[1]).norm() / outs[1].norm())
-    exl3.decode_kernel = "coop"
-    rows = []
-    for t in tokens:
-        inputs = routings(torch, t, CALLS_PER_REPLAY, device, t)
-        row = {"tokens": t, "mode": "cuda-graph"}
-        for name, fn in variants.items():
-            try:
-                row[f"{name}_us"] = round(time_graph(torch, fn, inputs), 1)
-            except Exception as exc:  # not capturable here: time it eagerly and say so
+            fn, per_expert, note = paths.get(name, inputs)
+            if args.warm or args.profile:
+                if args.profile:
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(1000)  # the marker kernel before each (path, tokens) in the profile
+                    print(f"PROFILE {name} {tokens}", flush=True)
+                x, ids, w = inputs[0]
+                fn(x, ids, w, 0)
                 torch.cuda.synchronize()
-                row[f"{name}_us"] = round(time_eager(torch, fn, inputs), 1)
-                notes.append(f"{name} at {t} tokens timed eagerly: capture failed ({type(exc).__name__}: "
-                             f"{str(exc)[:120]})")
-        rows.append(row)
-    if prefill:
-        inputs = routings(torch, prefill, 1, device, 7)
-        row = {"tokens": prefill, "mode": "eager"}
-        for name, fn in variants.items():
-            if name == "exl3_fused":
-                continue  # the same path as exl3 at this size
-            row[f"{name}_us"] = round(time_eager(torch, fn, inputs), 1)
-        exl3.prefill_mode = "chunk"
-        row["exl3_chunked_us"] = round(time_eager(torch, exl3, inputs), 1)
-        exl3.prefill_mode = "recon"
-        rows.append(row)
-    mem = {"exl3": exl3.weight_bytes, "fp8_block128": fp8_block_bytes(), "bf16": EXPERTS * 3 * HIDDEN * INTER * 2}
-    if "fp8" in variants:
-        mem["fp8_bench_rowwise"] = variants["fp8"].weight_bytes
+                continue
+            us = time_graph(torch, fn, inputs)
+        except Exception as exc:  # unavailable here (no vLLM file, an arch without grouped GEMMs): say so
+            torch.cuda.synchronize()
+            notes.append(f"{name} at {tokens} tokens: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        nbytes, experts = must_move(inputs, per_expert)
+        rows.append({"path": name, "tokens": tokens, "mode": "cuda-graph", "us": round(us, 1), "bytes": int(nbytes),
+                     "frac_copy": round(nbytes / (us * 1e-6) / bw, 3), "experts": round(experts, 1),
+                     "tag": args.tag, **({"config": note} if note else {})})
+        try:
+            rows[-1]["launches"] = launches(torch, fn, inputs)
+        except Exception as exc:
+            rows[-1]["launches"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        checkpoint()
+        print(json.dumps(rows[-1]), flush=True)
+    if args.profile:
+        torch.cuda.profiler.stop()
+    if args.warm or args.profile:
+        return {"rows": [], "notes": notes}
+    try:
+        agree = agreement(torch, paths, [p for p, _ in plan if p.startswith("exl3_")], device)
+    except Exception as exc:
+        notes.append(f"agreement check: {type(exc).__name__}: {str(exc)[:200]}")
+    for tokens in args.prefill:
+        inputs = routings(torch, tokens, 1, device, 7)
+        for name in select(args.prefill_paths, names):
+            try:
+                fn, per_expert, note = paths.get(name, inputs)
+                us = time_eager(torch, fn, inputs)
+            except Exception as exc:
+                notes.append(f"{name} at {tokens} tokens (eager): {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            nbytes, experts = must_move(inputs, per_expert)
+            rows.append({"path": name, "tokens": tokens, "mode": "eager", "us": round(us, 1), "bytes": int(nbytes),
+                         "frac_copy": round(nbytes / (us * 1e-6) / bw, 3), "experts": round(experts, 1),
+                         "tag": args.tag})
+            print(json.dumps(rows[-1]), flush=True)
+            checkpoint()
+    mem = {"exl3": paths.exl3.weight_bytes, "fp8_block128": fp8_block_bytes(), "bf16": EXPERTS * 3 * HIDDEN * INTER * 2}
     from importlib.metadata import version
 
     try:
         exl3_version = version("exllamav3")
     except Exception:
         exl3_version = "unknown"
+    env = {k: v for k, v in os.environ.items() if k.startswith(("EXL3_", "GLMCTL_EXL3"))}
     return {
         "what": "GLM-5.3-Flash routed experts, one MoE layer, one TP8 rank (288 experts x 256 channels, top-8)",
-        "device": props.name, "sm_count": props.multi_processor_count,
-        "torch": torch.__version__, "exllamav3": exl3_version,
-        "how": f"CUDA-graph replays of {CALLS_PER_REPLAY} different routings per replay (decode sizes), eager "
-               "for the prefill chunk; median of 5 rounds of CUDA events; random weights and uniform routing",
-        "rows": rows, "notes": notes, "coop_vs_exl3_moe_rel_diff": agree, "fp16_clamped_values": int(exl3.fp16_clamped),
+        "device": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,
+        "exllamav3": exl3_version, "tag": args.tag, "env": env, "copy_bw_bytes_per_s": round(bw),
+        "how": f"CUDA-graph replays of {CALLS_PER_REPLAY} different uniform routings per replay (decode sizes), "
+               "eager for prefill chunks; median of 5 rounds of CUDA events; random weights",
+        "rows": rows, "agree": agree, "notes": notes, "fp16_clamped_values": int(paths.exl3.fp16_clamped),
         "expert_bytes_per_gpu_per_layer": mem,
         "expert_gib_per_gpu_model": {k: round(v * MOE_LAYERS / 2**30, 2) for k, v in mem.items()},
-        "exl3_over_fp8_bytes": round(mem["exl3"] / mem["fp8_block128"], 3),
     }
 
 
+def agreement(torch, paths, names: list[str], device) -> dict:
+    """Relative difference of every EXL3 path from exl3_coop, and of coop and the Triton path from
+    the dequantised torch reference (exllamav3's reconstruct of the touched experts)."""
+    from glmctl.plugin.exl3_experts import dequantize, moe_reference
+
+    layer = paths.exl3
+    out: dict = {}
+    for tokens in (1, 8, 32):
+        x, ids, w = routings(torch, tokens, 1, device, 99)[0]
+        ref_fn, _, _ = paths.get("exl3_coop", [(x, ids, w)])
+        ref = ref_fn(x, ids, w, 0).float()
+        for name in dict.fromkeys(names):
+            if name != "exl3_coop" and paths.supports(name, tokens):
+                try:
+                    fn, _, _ = paths.get(name, [(x, ids, w)])
+                    out.setdefault(name, {})[tokens] = float((fn(x, ids, w, 0).float() - ref).norm() / ref.norm())
+                except Exception as exc:
+                    out.setdefault(name, {})[tokens] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        if tokens == 8:
+            touched = ids.unique().tolist()
+            deq = []
+            for p in (layer.gate, layer.up, layer.down):
+                full = torch.zeros((EXPERTS, p.in_features, p.out_features), device=device)
+                for e in touched:
+                    full[e] = dequantize(*p.expert(e), 4)
+                deq.append(full)
+            want = moe_reference(x.half().float(), ids, w, *deq, layer.act_limit)
+            for name in ("exl3_coop", "exl3_triton"):
+                fn, _, _ = paths.get(name, [(x, ids, w)])
+                out.setdefault("vs_dequantised_T8", {})[name] = float((fn(x, ids, w, 0).float() - want).norm()
+                                                                      / want.norm())
+            del deq
+    layer.decode_kernel = "auto"
+    return out
+
+
 def table(result: dict) -> str:
-    lines = [f"{result['what']} on {result['device']} (torch {result['torch']}, exllamav3 {result['exllamav3']})", "",
-             "| tokens | mode | EXL3 us | EXL3 exl3_moe only us | FP8 us | bf16 us | EXL3/FP8 |",
-             "|---|---|---|---|---|---|---|"]
+    bw = result["copy_bw_bytes_per_s"]
+    lines = [f"{result['what']} on {result['device']} (torch {result['torch']}, exllamav3 {result['exllamav3']}), "
+             f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", "",
+             "| path | tokens | mode | us | MB must move | frac_copy | experts |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        ratio = f"{r['exl3_us'] / r['fp8_us']:.2f}" if r.get("fp8_us") else "-"
-        fused = r.get("exl3_fused_us", f"sliced, sync-free: {r.get('exl3_chunked_us', '-')}")
-        lines.append(f"| {r['tokens']} | {r['mode']} | {r['exl3_us']} | {fused} | {r.get('fp8_us', '-')} | "
-                     f"{r.get('bf16_us', '-')} | {ratio} |")
+        lines.append(f"| {r['path']}{' ' + r['tag'] if r.get('tag') else ''} | {r['tokens']} | {r['mode']} | "
+                     f"{r['us']} | {r['bytes'] / 1e6:.1f} | {r['frac_copy']:.3f} | {r['experts']} |")
     gib = result["expert_gib_per_gpu_model"]
     lines += ["", f"expert weights per GPU, whole model (43 MoE layers, TP8): EXL3 {gib['exl3']} GiB, "
-                  f"block-FP8 {gib['fp8_block128']} GiB, bf16 {gib['bf16']} GiB; EXL3/FP8 = "
-                  f"{result['exl3_over_fp8_bytes']} (target <= 0.6)"]
-    lines += ["EXL3 kernels agree (exl3_moe_coop vs exl3_moe, relative difference by tokens): "
-              + ", ".join(f"{t}: {d:.1e}" for t, d in result["coop_vs_exl3_moe_rel_diff"].items())]
+                  f"block-FP8 {gib['fp8_block128']} GiB, bf16 {gib['bf16']} GiB"]
+    for name, by_t in result["agree"].items():
+        lines.append(f"agree {name}: " + ", ".join(f"{t}: {d:.1e}" if isinstance(d, float) else f"{t}: {d}"
+                                                   for t, d in by_t.items()))
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 
 
+def stem(args) -> str:
+    return f"moe-bench{'-' + args.tag if args.tag else ''}"
+
+
+def ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,48")
-    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--tokens", type=ints, default=ints("1,2,4,8,16,32,48"))
+    ap.add_argument("--paths", default=DEFAULT_PATHS, help="comma-separated names or fnmatch patterns")
+    ap.add_argument("--sweep", default="", help="more paths, timed at --sweep-tokens only")
+    ap.add_argument("--sweep-tokens", type=ints, default=ints("8,32"))
+    ap.add_argument("--prefill", type=ints, default=ints("8192"))
+    ap.add_argument("--prefill-paths", default="exl3_auto,fp8_torch,bf16_torch,fp8_vllm.vllm_default")
+    ap.add_argument("--vllm-fused-moe", default=os.environ.get("VLLM_FUSED_MOE_PY"))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--warm", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     started = time.perf_counter()
-    result = run([int(t) for t in args.tokens.split(",") if t], args.prefill)
+    result = run(args)
+    if args.warm or args.profile:
+        print("\n".join(result["notes"]))
+        return 0
     result["bench_seconds"] = round(time.perf_counter() - started, 1)
     text = table(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "exl3-bench.json").write_text(json.dumps(result, indent=2) + "\n")
-        (args.out / "exl3-bench.md").write_text(text + "\n")
+        (args.out / f"{stem(args)}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"{stem(args)}.md").write_text(text + "\n")
     print(json.dumps(result, indent=2) if args.json else text)
     return 0
 

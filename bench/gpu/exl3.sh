@@ -28,7 +28,7 @@ print(f"glmctl {glmctl.__version__} ({glmctl.__file__}); torch {torch.__version_
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader >> "$OUT/exl3-env.txt"
 
-timeout "${EXL3_BENCH_TIMEOUT:-60}" python3 "$ROOT/bench/exl3.py" --out "$OUT" > "$OUT/exl3-bench.log" 2>&1
+timeout "${EXL3_BENCH_TIMEOUT:-60}" python3 "$ROOT/bench/exl3.py" --tokens 1,8,32,48 --out "$OUT" > "$OUT/exl3-bench.log" 2>&1
 bench_rc=$?
 timeout "${EXL3_TEST_TIMEOUT:-140}" python3 -m pytest -p no:cacheprovider --import-mode=importlib \
     --rootdir "$ROOT" -c "$ROOT/pyproject.toml" -m gpu -q -rs --durations=8 \
@@ -50,5 +50,5 @@ for p in (r.get("mgemm_barrier_sm90") or {}).get("probes", []):
     print("mgemm", p)
 PY
 echo "tests rc=$test_rc bench rc=$bench_rc"
-cat "$OUT/exl3-bench.md" 2>/dev/null || tail -n 30 "$OUT/exl3-bench.log"
+cat "$OUT/moe-bench.md" 2>/dev/null || tail -n 30 "$OUT/exl3-bench.log"
 exit $(( test_rc || bench_rc ))

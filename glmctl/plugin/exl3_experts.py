@@ -8,10 +8,10 @@ torch references.
 How a forward runs (T tokens, top-k experts each, E local experts, R = FUSED_ROWS):
   1. x (bf16) -> fp16, the kernel's only activation type: values beyond +-65280 are clamped and
      counted in a device counter (`fp16_clamped`), never silently turned into inf.
-  Decode (up to 2 x 256 slots, i.e. 64 tokens at top-8): `exl3_moe_coop`, exllamav3's
-     decode-shaped kernel pair, takes vLLM's routing as it is (no sort, no counts): one block per
-     (expert run, column group) for gate/up, then down, with self-resetting completion counters;
-     one call holds 256 (token, expert) slots, so 33-64 tokens take two calls. Larger batches:
+  Decode (up to 64 tokens): the path glmctl.plugin.exl3_decode picks: exllamav3's
+     `exl3_moe_coop` (vLLM's routing as it is; 256 (token, expert) slots per call, so 33-64
+     tokens take two calls) or glmctl's Triton kernels (glmctl.kernels.exl3_moe_decode).
+     Larger batches:
   2. Routing on the device: the (token, expert) picks are sorted by expert (argsort), counted per
      expert with scatter_add_ (bincount would size its output from the data: a host sync), and
      the routing weights go to fp16 in the same order.
@@ -48,6 +48,7 @@ from functools import cache
 
 import torch
 
+from glmctl.plugin.exl3_decode import TritonDecode, decode_path_from_env, pick_decode_path
 from glmctl.quantize.exl3_format import MUL1_MARKER
 
 FP16_SAFE = 65280.0  # the largest bf16 value that fp16 can hold (fp16 max 65504 rounds up in bf16)
@@ -57,7 +58,6 @@ COOP_SLOTS = 256  # exl3_moe_coop's scratch bound (MAX_SLOTS, exl3_moe_coop_kern
 COOP_CALLS = 2  # up to this many coop calls per batch (64 tokens at top-8) before exl3_moe takes over
 HEAVY_GROUP_BYTES = 512 * 2**20  # fp16 weights reconstructed at once for heavy experts
 PREFILL_ENV = "GLMCTL_EXL3_PREFILL"  # "recon" (default): heavy experts reconstructed; "chunk": slices
-DECODE_ENV = "GLMCTL_EXL3_DECODE"  # "coop" (default): exl3_moe_coop up to 256 slots; "fused": exl3_moe
 
 
 @cache
@@ -195,7 +195,9 @@ class Exl3MoE:
         self._buffers = _shared_buffers(self.device, self.hidden, self.intermediate)
         self.fp16_clamped = torch.zeros((), dtype=torch.int64, device=self.device)
         self.prefill_mode = os.environ.get(PREFILL_ENV, "recon")
-        self.decode_kernel = os.environ.get(DECODE_ENV, "coop")
+        self.decode_kernel = decode_path_from_env()  # glmctl.plugin.exl3_decode: paths and the auto rule
+        self._triton = (TritonDecode(gate, up, down, self.act_limit)
+                        if TritonDecode.supports(self.bits, self.hidden, self.intermediate) else None)
 
     @property
     def weight_bytes(self) -> int:
@@ -204,20 +206,36 @@ class Exl3MoE:
 
     # -- forward -----------------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        x16 = to_fp16_checked(x, self.fp16_clamped)
-        out = torch.zeros((tokens, self.hidden), dtype=torch.float32, device=x.device)
+        tokens, top_k = x.shape[0], topk_ids.shape[1]
         if tokens == 0:
-            return out.to(x.dtype)
-        ids, weights = topk_ids.to(torch.int64), topk_weights
-        rows = COOP_SLOTS // ids.shape[1]  # tokens per exl3_moe_coop call (32 at top-8)
-        if self.decode_kernel == "coop" and tokens <= COOP_CALLS * rows:
+            return torch.zeros((0, self.hidden), dtype=x.dtype, device=x.device)
+        from glmctl.kernels.exl3_moe_decode import MAX_TOKENS
+
+        path = self.decode_kernel
+        if path == "auto":
+            path = pick_decode_path(tokens, top_k, self.bits, self._triton is not None)
+        if path == "triton":
+            if self._triton is not None and tokens <= MAX_TOKENS:
+                return self._triton(x, topk_ids, topk_weights, self.fp16_clamped)
+            path = "coop_lean"
+        rows = COOP_SLOTS // top_k  # tokens per exl3_moe_coop call (32 at top-8)
+        if path in ("coop", "coop_lean") and tokens <= COOP_CALLS * rows:
+            if path == "coop_lean":
+                from glmctl.kernels.exl3_coop_io import coop_inputs
+
+                x16, ids, weights = coop_inputs(x, topk_ids, topk_weights, self.fp16_clamped)
+            else:
+                x16 = to_fp16_checked(x, self.fp16_clamped)
+                ids, weights = topk_ids.to(torch.int64), topk_weights
             if tokens <= rows:
                 return self._coop(x16, ids, weights).to(x.dtype)
             y = torch.empty((tokens, self.hidden), dtype=x.dtype, device=x.device)
             for t0 in range(0, tokens, rows):  # the kernel's output buffer is reused: copy out first
                 y[t0:t0 + rows].copy_(self._coop(x16[t0:t0 + rows], ids[t0:t0 + rows], weights[t0:t0 + rows]))
             return y
+        x16 = to_fp16_checked(x, self.fp16_clamped)
+        out = torch.zeros((tokens, self.hidden), dtype=torch.float32, device=x.device)
+        ids, weights = topk_ids.to(torch.int64), topk_weights
         if tokens <= FUSED_ROWS:
             self._fused(x16, out, ids, weights, tokens)
         elif self.prefill_mode == "chunk" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):

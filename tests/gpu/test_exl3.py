@@ -190,6 +190,36 @@ def test_moe_kernels_match_the_dequantised_reference(small_layer, tokens, decode
     _check_layer(small_layer, x, ids, w, f"T={tokens} {decode if tokens <= 256 else 'fused'}", decode=decode)
 
 
+@pytest.mark.parametrize("tokens, decode", [(1, "triton"), (7, "triton"), (40, "triton"), (64, "triton"),
+                                            (1, "coop_lean"), (40, "coop_lean"), (5, "auto")])
+def test_glmctl_decode_paths_match_the_dequantised_reference(small_layer, tokens, decode):
+    """triton: glmctl.kernels.exl3_moe_decode (runs of up to 16 slots, 40 and 64 tokens make an
+    expert hold more than one run at top-2 over 8 experts); coop_lean: exl3_moe_coop with the
+    one-launch input preparation; auto: the plugin's rule."""
+    import torch
+
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ids, w = _routing(torch, tokens, small_layer["experts"], 2, 300 + tokens)
+    _check_layer(small_layer, x, ids, w, f"T={tokens} {decode}", decode=decode)
+
+
+def test_reference_trellis_decode_is_exllamav3s_reconstruct(real_shape):
+    """glmctl.kernels.exl3_trellis reads the stored tiles exactly as exllamav3's kernels do."""
+    import torch
+    from glmctl.kernels.exl3_trellis import decode_trellis_ref
+
+    from glmctl.plugin.exl3_experts import ext
+
+    q = real_shape["free"][(0, "gate_proj")]
+    trellis = q.tensors["trellis"].cuda()
+    theirs = torch.empty((HIDDEN, INTER_FULL), dtype=torch.float16, device="cuda")
+    ext().reconstruct(theirs, trellis, float(BITS), False, True)
+    ours = decode_trellis_ref(trellis[:64].cpu(), BITS)  # the first 1024 input rows: the reference is slow
+    mismatch = int((ours.cuda() != theirs[:1024]).sum())
+    RECORD["trellis_reference_mismatches"] = mismatch
+    assert mismatch == 0
+
+
 @pytest.mark.parametrize("mode", ["recon", "chunk"])
 def test_heavy_experts_in_prefill_are_computed_correctly(small_layer, mode):
     """1200 tokens with expert 0 in every token's top-2: far more rows than the kernel's 256."""
@@ -256,6 +286,11 @@ def test_captured_graph_replays_with_new_routing(small_layer, tokens, decode):
         assert err < 1e-2, (tokens, seed, err)
     moe.decode_kernel = "coop"
     RECORD.setdefault("cuda_graph_replay_rel_error", {})[f"T={tokens} {decode}"] = err
+
+
+@pytest.mark.parametrize("tokens, decode", [(8, "triton"), (40, "triton"), (40, "coop_lean")])
+def test_glmctl_decode_paths_replay_from_a_captured_graph(small_layer, tokens, decode):
+    test_captured_graph_replays_with_new_routing(small_layer, tokens, decode)
 
 
 def test_fp16_range_check_clamps_and_counts(small_layer):

@@ -1,0 +1,70 @@
+"""Which kernel runs a decode batch of EXL3 routed experts, and the glmctl-side paths.
+
+Paths (`GLMCTL_EXL3_DECODE`, or `Exl3MoE.decode_kernel`):
+  coop       exllamav3's `exl3_moe_coop` (up to 2 x 256 slots), torch dtype conversions around it
+  coop_lean  the same kernel with its inputs prepared in one launch (glmctl.kernels.exl3_coop_io)
+  triton     glmctl.kernels.exl3_moe_decode: one program per expert run, trellis decoded in
+             Triton (4 bits per weight, up to 64 tokens)
+  fused      exllamav3's `exl3_moe` at every size
+  auto       `pick_decode_path` below
+Every path is CUDA-graph safe and sync-free; sizes no path holds fall through to `exl3_moe`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DECODE_ENV = "GLMCTL_EXL3_DECODE"
+DECODE_PATHS = ("auto", "coop", "coop_lean", "triton", "fused")
+TRITON_CONFIG_ENV = "GLMCTL_EXL3_TRITON_CONFIG"  # a DECODE_CONFIGS name for every size (benchmarks)
+
+
+def decode_path_from_env() -> str:
+    path = os.environ.get(DECODE_ENV, "auto").strip().lower()
+    if path not in DECODE_PATHS:
+        from glmctl.errors import ConfigError
+
+        raise ConfigError(f"{DECODE_ENV}={path!r} is not one of {', '.join(DECODE_PATHS)}")
+    return path
+
+
+def pick_decode_path(tokens: int, top_k: int, bits: float, triton_ok: bool) -> str:
+    """The rule `auto` follows: exllamav3's coop kernel at every decode size (the path whose
+    figures are in bench/results/exl3-h200.md; the others are selectable by name)."""
+    del tokens, top_k, bits, triton_ok
+    return "coop"
+
+
+class TritonDecode:
+    """glmctl.kernels.exl3_moe_decode bound to one layer's projections (workspace shared per shape)."""
+
+    _workspaces: dict[tuple, object] = {}
+
+    def __init__(self, gate, up, down, act_limit: float) -> None:
+        self.projections = tuple((p.trellis, p.suh, p.svh) for p in (gate, up, down))
+        self.act_limit = act_limit
+        self.experts, self.hidden, self.intermediate = gate.experts, gate.in_features, gate.out_features
+
+    @staticmethod
+    def supports(bits: float, hidden: int, intermediate: int) -> bool:
+        return bits == 4 and hidden % 256 == 0 and intermediate % 128 == 0
+
+    def workspace(self, device, top_k: int):
+        from glmctl.kernels.exl3_moe_decode import DecodeWorkspace
+
+        key = (device, self.hidden, self.intermediate, top_k, self.experts)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = DecodeWorkspace(device, self.hidden, self.intermediate, top_k, self.experts)
+        return ws
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 clamped: torch.Tensor) -> torch.Tensor:
+        from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS, exl3_moe_decode
+
+        name = os.environ.get(TRITON_CONFIG_ENV)
+        config = DECODE_CONFIGS[name] if name else None
+        return exl3_moe_decode(x, topk_ids, topk_weights, *self.projections, self.act_limit, clamped,
+                               self.workspace(x.device, topk_ids.shape[1]), config)

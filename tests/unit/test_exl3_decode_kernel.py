@@ -1,0 +1,197 @@
+"""The EXL3 trellis decode and the Triton decode-batch MoE kernels, on CPU.
+
+The torch reference decode is checked against a packer written from exllamav3 1.6.5's
+`pack_trellis_kernel` (quant/pack.cu: symbols most significant bit first in 16-bit words, the
+halves of each uint32 swapped); the Triton decode (TRITON_INTERPRET=1) against the reference on
+random words; the whole MoE kernel pipeline against the reference layer at tiny shapes, including
+runs cut from a heavy expert, split-k counters that must reset between calls, and the fp16
+range count."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from glmctl.kernels.triton_env import import_interpreted, run_in_fresh_interpreter_process  # noqa: E402
+
+_modules = import_interpreted("glmctl.kernels.exl3_trellis", "glmctl.kernels.exl3_moe_decode",
+                              "glmctl.kernels.exl3_coop_io")
+interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+trellis_mod, moe_mod, coop_io = _modules or (None, None, None)
+
+
+@pytest.mark.skipif(_modules is not None, reason="ran in this process")
+def test_in_fresh_process():
+    run_in_fresh_interpreter_process(__file__)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def pack_tile(symbols: list[int], bits: int) -> list[int]:
+    """pack_trellis_kernel for one tile: 256 K-bit symbols -> 16K int16 words (as stored)."""
+    stream = "".join(format(s, f"0{bits}b") for s in symbols)  # MSB first
+    halves = [int(stream[i:i + 16], 2) for i in range(0, len(stream), 16)]
+    stored = []
+    for w in range(0, len(halves), 2):  # SWAP16: the first half of each pair goes high
+        stored += [halves[w + 1], halves[w]]
+    return [h - 65536 if h >= 32768 else h for h in stored]
+
+
+def tile_states(symbols: list[int], bits: int) -> list[int]:
+    """The tail-biting 16-bit state of every position: its symbol and the ones before it."""
+    n, per = len(symbols), -(-16 // bits)
+    out = []
+    for p in range(n):
+        v = 0
+        for j in range(per - 1, -1, -1):
+            v = (v << bits) | symbols[(p - j) % n]
+        out.append(v & 0xFFFF)
+    return out
+
+
+@interpreted
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_reference_decode_reads_exllamav3s_packed_stream(bits):
+    g = torch.Generator().manual_seed(bits)
+    kt, nt = 2, 3
+    syms = torch.randint(0, 2**bits, (kt, nt, 256), generator=g).tolist()
+    trellis = torch.tensor([[pack_tile(syms[i][j], bits) for j in range(nt)] for i in range(kt)],
+                           dtype=torch.int16)
+    t = trellis_mod.decode_trellis_ref(trellis, bits)
+    assert t.shape == (kt * 16, nt * 16) and t.dtype == torch.float16
+    for i in range(kt):
+        for j in range(nt):
+            values = trellis_mod.mul1_values(torch.tensor(tile_states(syms[i][j], bits)))
+            for p in (0, 1, 2, 7, 8, 100, 255):
+                r, c = trellis_mod.tensor_core_position(p)
+                assert t[i * 16 + r, j * 16 + c] == values[p], (i, j, p)
+
+
+@interpreted
+def test_codebook_values_are_exllamav3s_fp16_hfma():
+    """(1024 + bytesum) * fp16(0x1EEE) + fp16(0xC931), rounded once to fp16; spot values by hand."""
+    k_inv = torch.tensor([0x1EEE], dtype=torch.int16).view(torch.float16).item()
+    k_bias = torch.tensor([0xC931 - 65536], dtype=torch.int16).view(torch.float16).item()
+    assert k_inv == trellis_mod.K_INV and k_bias == trellis_mod.K_BIAS
+    states = torch.tensor([0, 1, 0x1234, 0xFFFF])
+    x = [(s * trellis_mod.MUL1) & 0xFFFFFFFF for s in states.tolist()]
+    want = [float(torch.tensor((1024 + sum((v >> sh) & 255 for sh in (0, 8, 16, 24))) * k_inv + k_bias)
+                  .half()) for v in x]
+    assert trellis_mod.mul1_values(states).tolist() == want
+    assert trellis_mod.mul1_values(torch.tensor([0])).item() == pytest.approx(-3.453125)
+
+
+if _modules is not None:
+    import os
+
+    import triton
+    import triton.language as tl
+
+    decode_tile_half = trellis_mod.decode_tile_half
+
+    def _decode_block_kernel(tr_ptr, out_ptr, ROW_WORDS: tl.constexpr, BKT: tl.constexpr):
+        nt = tl.arange(0, 8)[:, None, None, None]
+        c0 = tl.arange(0, 8)[None, :, None, None]
+        kt = tl.arange(0, BKT)[None, None, :, None]
+        jr = tl.arange(0, 4)[None, None, None, :]
+        tile = nt * 32 + kt * ROW_WORDS
+        w = tl.load(tr_ptr + tile + c0 * 4 + jr).to(tl.uint32, bitcast=True)
+        p = tl.load(tr_ptr + tile + (c0 * 4 + jr + 31) % 32).to(tl.uint32, bitcast=True)
+        rows = tl.arange(0, 64)[:, None] * (BKT * 16) + tl.arange(0, BKT * 16)[None, :]
+        tl.store(out_ptr + rows, decode_tile_half(w, p, 0, 8, BKT, False))
+        tl.store(out_ptr + 64 * BKT * 16 + rows, decode_tile_half(w, p, 1, 8, BKT, False))
+
+    os.environ["TRITON_INTERPRET"] = "1"  # chosen when the decorator runs; unset again below
+    _decode_block_kernel = triton.jit(_decode_block_kernel)
+    del os.environ["TRITON_INTERPRET"]
+
+
+@interpreted
+@pytest.mark.parametrize("bkt", [4, 8])
+def test_triton_tile_decode_matches_the_reference(bkt):
+    g = torch.Generator().manual_seed(bkt)
+    trellis = torch.randint(-2**15, 2**15, (bkt, 8, 64), dtype=torch.int16, generator=g)
+    out = torch.full((2, 64, bkt * 16), float("nan"), dtype=torch.float16)
+    _decode_block_kernel[(1,)](trellis.view(torch.int32), out, ROW_WORDS=8 * 32, BKT=bkt)
+    ref = trellis_mod.decode_trellis_ref(trellis, 4)
+    k = trellis_mod.k_of_kprime(torch.arange(bkt * 16))
+    for half in (0, 1):
+        n = trellis_mod.n_of_half_row(torch.arange(64), half)
+        assert torch.equal(out[half], ref[k][:, n].t()), half
+
+
+def _layer(experts: int, hidden: int, inter: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def proj(k, n):
+        trellis = torch.randint(-2**15, 2**15, (experts, k // 16, n // 16, 64), dtype=torch.int16, generator=g)
+        signs = lambda m: (torch.randint(0, 2, (experts, m), generator=g) * 2 - 1).half() * k ** -0.25  # noqa: E731
+        return trellis, signs(k), signs(n)
+
+    return proj(hidden, inter), proj(hidden, inter), proj(inter, hidden)
+
+
+def _routing(tokens, experts, top_k, seed, heavy=False):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=g)
+    if heavy:
+        scores[:, 0] += 2.0  # expert 0 in every token's top-k: more than one run
+    w, ids = scores.topk(top_k, dim=-1)
+    return ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+
+
+@interpreted
+@pytest.mark.parametrize("tokens, config, heavy", [(1, "split1", False), (3, "split2", False),
+                                                   (17, "split1", True)])
+def test_moe_decode_matches_the_reference_layer(tokens, config, heavy):
+    experts, hidden, inter, top_k = 6, 256, 128, 2
+    gate, up, down = _layer(experts, hidden, inter, seed=tokens)
+    ids, w = _routing(tokens, experts, top_k, seed=tokens + 1, heavy=heavy)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ws = moe_mod.DecodeWorkspace("cpu", hidden, inter, top_k, experts, max_tokens=32)
+    clamped = torch.zeros((), dtype=torch.int64)
+    ref = moe_mod.exl3_moe_decode_ref(x, ids, w, gate, up, down, 10.0)
+    for call in range(2 if config != "split1" else 1):  # split-k counters must be back at zero
+        y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws, moe_mod.DECODE_CONFIGS[config])
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        err = float((y.float() - ref).norm() / ref.norm())
+        assert err < 1e-2, (call, err)
+        assert int(ws.counters.abs().sum()) == 0
+    if heavy:
+        assert int(ws.meta[0]) > len(ids.unique())  # expert 0's 17 slots took two runs
+    assert int(clamped) == 0
+
+
+@interpreted
+def test_moe_decode_counts_and_clamps_out_of_range_inputs():
+    experts, hidden, inter, top_k = 4, 256, 128, 2
+    gate, up, down = _layer(experts, hidden, inter, seed=9)
+    ids, w = _routing(2, experts, top_k, seed=10)
+    x = torch.randn(2, hidden).bfloat16()
+    x[0, :3] = torch.tensor([1e6, -3e5, float("inf")])
+    ws = moe_mod.DecodeWorkspace("cpu", hidden, inter, top_k, experts, max_tokens=8)
+    clamped = torch.zeros((), dtype=torch.int64)
+    y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws, moe_mod.DECODE_CONFIGS["split4"])
+    assert int(clamped) == 3
+    assert torch.isfinite(y[1:].float()).all()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_coop_inputs_match_the_torch_conversions(dtype):
+    x = (torch.randn(3, 256) * 100).to(dtype)
+    if dtype == torch.bfloat16:
+        x[1, :2] = torch.tensor([1e6, float("nan")])
+    ids = torch.randint(0, 9, (3, 8), dtype=torch.int32)
+    w = torch.rand(3, 8)
+    got_n, want_n = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    got = coop_io.coop_inputs(x, ids, w, got_n)
+    want = coop_io.coop_inputs_ref(x, ids, w, want_n)
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == r.dtype and torch.equal(g[~g.isnan()] if g.is_floating_point() else g,
+                                                  r[~r.isnan()] if r.is_floating_point() else r)
+    assert int(got_n) == int(want_n) == (2 if dtype == torch.bfloat16 else 0)

@@ -1,0 +1,59 @@
+"""Every launch of the EXL3 decode path (glmctl.kernels.exl3_moe_decode, exl3_coop_io) fits Ada:
+cross-compiled for sm_89 at GLM-5.3-Flash's TP8 shape with `triton.compile`, <= 99 KB of shared
+memory per program, no Hopper wgmma, no register spills, and the trellis decode compiled to the
+instructions it was written for (32-bit multiply, dp4a). Runs in a fresh process: the unit lane's
+kernel tests load the kernels into the interpreter, which cannot compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SM89_SHARED_LIMIT = 99 * 1024
+SCRIPT = textwrap.dedent("""
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from glmctl.kernels import exl3_coop_io, exl3_moe_decode
+
+    configs = list(exl3_moe_decode.shipped_configs())
+    configs.append(("exl3_coop_inputs", exl3_coop_io._coop_inputs_kernel,
+                    dict(x_ptr="*bf16", x_stride="i64", ids_ptr="*i32", w_ptr="*fp32", x16_ptr="*fp16",
+                         ids64_ptr="*i64", w16_ptr="*fp16", clamp_ptr="*i64"),
+                    dict(H=4096, TOPK=8, TOPK_PAD=8, BLOCK=1024, CHECK=True), dict(num_warps=4)))
+    for name, fn, types, constexprs, options in configs:
+        names = fn.arg_names
+        signature = {n: types.get(n, "constexpr") for n in names}
+        src = ASTSource(fn=fn, signature=signature,
+                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 89, 32), options=options)
+        ptx = k.asm["ptx"]
+        print(json.dumps({"kernel": name, "shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
+                          "local_loads": ptx.count("ld.local"), "dp4a": ptx.count("dp4a.u32.u32"),
+                          "mul32": ptx.count("mul.lo.s32") + ptx.count("mul.lo.u32")}), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_exl3_decode_kernels_fit_sm89():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=1500)
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert result.returncode == 0, result.stderr[-3000:]
+    kinds = {row["kernel"].split("[")[0] for row in rows}
+    assert kinds >= {"exl3_decode_prologue", "exl3_decode_gate_up", "exl3_decode_down", "exl3_decode_combine",
+                     "exl3_coop_inputs"}
+    for row in rows:
+        assert 0 <= row["shared"] <= SM89_SHARED_LIMIT, row
+        assert not row["wgmma"] and row["local_loads"] == 0, row
+        if row["kernel"].startswith(("exl3_decode_gate_up", "exl3_decode_down")):
+            assert row["dp4a"] > 0 and row["mul32"] > 0, row  # the codebook: imul + dp4a, no 64-bit math
