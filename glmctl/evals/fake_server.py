@@ -55,7 +55,8 @@ class FakeEngine:
 
     # -- the "model" ------------------------------------------------------------------------
 
-    def prompt_logprobs(self, ids: list[int]) -> list[dict | None]:
+    def prompt_logprobs(self, ids: list[int], top_k: int = 0) -> list[dict | None]:
+        """The actual token only, whatever `top_k` asks (a subclass may list alternatives)."""
         out: list[dict | None] = [None]
         for prev, tok in zip(ids, ids[1:], strict=False):
             out.append({str(tok): {"logprob": logprob(prev, tok) - self.logprob_shift, "rank": 1,
@@ -183,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             choice["text"] = text
             if body.get("prompt_logprobs") is not None:
-                choice["prompt_logprobs"] = e.prompt_logprobs(ids)
+                choice["prompt_logprobs"] = e.prompt_logprobs(ids, int(body["prompt_logprobs"]))
         self._send(200, {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
                          "usage": {"prompt_tokens": len(ids), "completion_tokens": len(encode(text))}})
 
