@@ -85,22 +85,36 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def processes_of(uid: int) -> list[int]:
+    """Live (not zombie) processes whose real user id is `uid`. /proc/PID/status, not the owner of
+    /proc/PID: a process that changed its user id is not dumpable, and its /proc entry is root's."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as fh:
+                fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        except OSError:
+            continue
+        if fields.get("State", "").strip().startswith("Z"):
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            found.append(int(entry.name))
+    return found
+
+
 def _kill_user(uid: int) -> None:
     """SIGKILL every process running as `uid` (a sandbox's own id: nothing else runs as it)."""
-    for _ in range(20):  # a fork in flight can add one more; repeat until none is left
-        found = False
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                if os.stat(entry.path).st_uid != uid:
-                    continue
-                os.kill(int(entry.name), signal.SIGKILL)
-                found = True
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-        if not found:
+    for _ in range(50):  # a fork in flight can add one more; repeat until none is left
+        pids = processes_of(uid)
+        if not pids:
             return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.01)
 
 
