@@ -24,8 +24,8 @@ from typing import Literal
 from pydantic import BaseModel
 
 from glmctl.errors import DependencyError, UsageError
-from glmctl.evals import jsonl_log, sandbox
 from glmctl.evals import humaneval_stats as hs
+from glmctl.evals import jsonl_log, sandbox
 from glmctl.evals.client import OpenAIServer
 from glmctl.evals.results import SCHEMA_VERSION, ServerInfo, now, server_info
 
