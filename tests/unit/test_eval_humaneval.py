@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,34 @@ def test_samples_need_a_temperature_and_give_pass_at_k(tmp_path):
         _run(tmp_path, lambda p: p.canonical_solution, samples=3)
     report = _run(tmp_path, lambda p: p.canonical_solution, samples=2, temperature=0.8, problems_spec="0-1")
     assert report.pass_at_k == {"1": 1.0} and report.settings.samples == 2 and report.samples_run == 4
+
+
+def test_cli_runs_resumes_compares_and_refuses_bad_flags(tmp_path, run_cli):
+    import subprocess
+    import sys
+
+    script = ("import sys, time; sys.path.insert(0, '.');"
+              "from tests.unit.test_eval_humaneval import AnswerEngine;"
+              "from glmctl.evals.fake_server import FakeServer;"
+              "s = FakeServer(AnswerEngine(lambda p: p.canonical_solution if p.number else '    pass\\n'));"
+              "print(s.__enter__(), flush=True); time.sleep(600)")
+    servers = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        url = servers.stdout.readline().strip()
+        out = tmp_path / "he.jsonl"
+        res = run_cli("eval", "humaneval", "--url", url, "--problems", "0-2", "--out", str(out), "--json")
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        assert (doc["kind"], doc["problems"], doc["problems_passed"]) == ("humaneval", 3, 2)
+        (tmp_path / "prev.json").write_text(res.stdout)
+        human = run_cli("eval", "humaneval", "--url", url, "--problems", "0-2", "--out", str(out),
+                        "--baseline", str(tmp_path / "prev.json"))
+        assert human.returncode == 0, human.stderr
+        assert "pass@1" in human.stdout and "McNemar exact p = 1" in human.stdout and "3 resumed" in human.stdout
+        bad = run_cli("eval", "humaneval", "--url", url, "--samples", "3", "--out", str(tmp_path / "x.jsonl"))
+        assert bad.returncode == 2 and "temperature" in bad.stderr
+        assert run_cli("eval", "humaneval").returncode == 2
+    finally:
+        servers.kill()
+        servers.wait()
