@@ -55,13 +55,16 @@ class FakeEngine:
 
     # -- the "model" ------------------------------------------------------------------------
 
-    def prompt_logprobs(self, ids: list[int], top_k: int = 0) -> list[dict | None]:
-        """The actual token only, whatever `top_k` asks (a subclass may list alternatives)."""
+    def prompt_logprobs(self, ids: list[int]) -> list[dict | None]:
         out: list[dict | None] = [None]
         for prev, tok in zip(ids, ids[1:], strict=False):
             out.append({str(tok): {"logprob": logprob(prev, tok) - self.logprob_shift, "rank": 1,
                                    "decoded_token": decode([tok])}})
         return out
+
+    def prompt_top_logprobs(self, ids: list[int], top_k: int) -> list[dict | None]:
+        """`prompt_logprobs: top_k`: the actual token only here; a subclass may list alternatives."""
+        return self.prompt_logprobs(ids)
 
     def answer(self, prompt_text: str) -> str:
         asked = re.findall(r"What is the secret code of ([^?]+)\?", prompt_text)
@@ -184,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             choice["text"] = text
             if body.get("prompt_logprobs") is not None:
-                choice["prompt_logprobs"] = e.prompt_logprobs(ids, int(body["prompt_logprobs"]))
+                choice["prompt_logprobs"] = e.prompt_top_logprobs(ids, int(body["prompt_logprobs"]))
         self._send(200, {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
                          "usage": {"prompt_tokens": len(ids), "completion_tokens": len(encode(text))}})
 

@@ -136,7 +136,7 @@ def encode_window(index: int, table: list[TopK]) -> dict:
             "positions": [[t.cap_logprob, t.ids.tolist(), t.logprobs.tolist()] for t in table]}
 
 
-def decode_window(record: dict, tokens: list[int], top_k: int) -> list[TopK]:
+def decode_window(record: dict, tokens: list[int]) -> list[TopK]:
     positions = record["positions"]
     if len(positions) != len(tokens):
         raise ValueError(f"window {record['index']} holds {len(positions)} positions, the plan {len(tokens)}")
@@ -197,7 +197,7 @@ class ReferenceFile:
     def table(self, plan: TokenPlan, index: int, top_k: int) -> list[TopK]:
         w = plan.windows[index]
         try:
-            table = decode_window(self.windows[index], plan.scored_tokens(w), self.header.top_k)  # type: ignore[union-attr]
+            table = decode_window(self.windows[index], plan.scored_tokens(w))
         except (KeyError, ValueError, TypeError) as exc:
             raise GlmctlError(f"--reference {self.path}: window {index} is damaged ({exc})",
                               hint="save the reference again") from exc

@@ -126,7 +126,7 @@ class DistributionEngine(FakeEngine):
             x = x + np.random.default_rng(10_000 + prev).normal(size=VOCAB) * self.noise
         return x - np.log(np.exp(x - x.max()).sum()) - x.max()
 
-    def prompt_logprobs(self, ids, top_k=0):
+    def prompt_top_logprobs(self, ids, top_k):
         if self.none:
             return None
         out = [None]
