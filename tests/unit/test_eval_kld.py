@@ -48,6 +48,25 @@ def test_full_vocabulary_reports_give_the_exact_kl():
     np.testing.assert_allclose(compare_positions(ref, build).kld, exact, rtol=1e-9, atol=1e-12)
 
 
+def test_full_reports_with_float_rounding_match_the_direct_sum_of_tiny_divergences():
+    """Servers' log-probabilities sum to 1 only within fp32 rounding; with every token listed the
+    bound must still equal sum p (ln p - ln q) even when that is ~1e-7 nats (bf16 vs fp32 weights)."""
+    rng = np.random.default_rng(4)
+    ref, build, exact = [], [], []
+    for _ in range(50):
+        lp = _random_logp(rng, 500)
+        lq = lp + rng.normal(size=500) * 1e-3
+        lq -= np.log(np.exp(lq).sum())
+        lp, lq = lp + rng.normal(size=500) * 3e-7, lq + rng.normal(size=500) * 3e-7  # fp32-like noise
+        ref.append(_report(lp, 500, 7))
+        build.append(_report(lq, 500, 7))
+        exact.append(_exact_kl(lp, lq))
+    got = compare_positions(ref, build).kld
+    assert np.mean(exact) < 1e-5
+    # the direct sum of unnormalised reports can dip below 0 by rounding; KL cannot
+    np.testing.assert_allclose(got, np.maximum(exact, 0.0), rtol=1e-6, atol=1e-10)
+
+
 def test_truncated_reports_bound_the_exact_kl_from_below_and_beat_the_plain_bucket():
     rng = np.random.default_rng(2)
     for k in (1, 3, 8):

@@ -123,10 +123,10 @@ def test_another_config_is_positive_and_matches_the_direct_computation(bf16, fp8
                       for p, q in zip(bf16["raw"], fp8["raw"], strict=True)])
     full = _per_position(fp8["full"])
     assert len(full) == len(exact) == bf16["plan_full"].positions
-    np.testing.assert_allclose(full, exact, rtol=1e-4, atol=1e-5)
-    assert exact.mean() > 1e-6  # the second configuration moves the distributions measurably
+    np.testing.assert_allclose(full, np.maximum(exact, 0.0), rtol=1e-6, atol=1e-10)  # KL >= 0
+    assert exact.mean() > 0  # the second configuration moves the distributions (bf16 vs fp32: ~1e-6 nats)
     at20 = _per_position(fp8["full_at_20"])
-    assert np.all(at20 <= exact + 1e-5)  # the top-20 bound stays below the exact value
+    assert np.all(at20 <= exact + 1e-6)  # the top-20 bound stays below the exact value (kld_math.ROUNDING)
     assert at20.mean() > 0
     k20 = fp8["k20"]
     print(f"\nsecond config vs bf16, tiny checkpoint, {k20.positions} tokens: mean KLD (top-20 bound) "
