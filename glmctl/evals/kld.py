@@ -36,7 +36,8 @@ from glmctl.evals.results import SCHEMA_VERSION, ServerInfo, now, server_info
 BOUND = ("lower bound: KL(reference || build) over the union of both top-K sets plus one bucket for "
          "all other tokens, with each unlisted probability set, within what the reports allow (at most "
          "that side's smallest top-K probability, together its unlisted mass), to the value that "
-         "minimises the divergence; the full-vocabulary KL is at least this")
+         "minimises the divergence; the full-vocabulary KL is at least this (up to 1e-6 nats of float "
+         "rounding; exact when K covers the vocabulary)")
 PERCENTILES = (90.0, 95.0, 99.0, 99.9)
 DELTA_P_PERCENTILES = (1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)
 

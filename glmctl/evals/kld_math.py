@@ -24,7 +24,8 @@ free value (clipped at the caps) and to the bucket:
 with `rho` fixed by the two tail masses; when no such `rho` leaves both bucket masses positive, the
 bucket is empty on both sides and each tail is filled separately (`rho_q`, `rho_p` below). Each
 `rho` is found by bisection in log space, vectorised over positions. With K at least the
-vocabulary, every cell is known and the result is the exact KL.
+vocabulary, every cell is known and the result is the exact KL (the bucket then holds only float
+rounding, which is dropped: see `ROUNDING`).
 """
 
 from __future__ import annotations
