@@ -1,4 +1,4 @@
-"""`glmctl eval perplexity|needle`: quality checks against a live OpenAI-compatible server."""
+"""`glmctl eval perplexity|needle|kld|humaneval`: quality checks against a live OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 
 from glmctl._cli.options import JsonOpt, ProfileOpt, QuietOpt, UrlOpt, examples
 
-app = typer.Typer(help="Quality checks against a live server: perplexity and needle in a haystack.",
+app = typer.Typer(help="Quality checks against a live server: perplexity, needle in a haystack, KLD, HumanEval.",
                   no_args_is_help=True)
 
 ServedModelOpt = Annotated[
@@ -247,3 +247,9 @@ needle.epilog = examples(
 
 app.command(name="perplexity", epilog=perplexity.epilog)(perplexity)
 app.command(name="needle", epilog=needle.epilog)(needle)
+
+# The quality checks beyond perplexity live in modules of their own and reuse the options above.
+from glmctl.commands import eval_humaneval, eval_kld  # noqa: E402
+
+app.command(name="kld", epilog=eval_kld.kld.epilog)(eval_kld.kld)
+app.command(name="humaneval", epilog=eval_humaneval.humaneval.epilog)(eval_humaneval.humaneval)

@@ -255,6 +255,41 @@ class OpenAIServer:
             out.append(value if math.isfinite(value) else -9999.0)
         return out
 
+    def prompt_top_logprobs(self, ids: list[int], top_k: int) -> list[dict[int, tuple[float, int]] | None]:
+        """Per position (None at 0): {token id: (logprob, rank)} for the server's top `top_k` tokens
+        and the token that was sent, from vLLM's `prompt_logprobs: top_k` (glmctl eval kld).
+
+        Checked here: one entry per position, and the sent token among them. How many alternatives
+        came back is for the caller to judge.
+        """
+        payload = {"model": self.model_id, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+                   "prompt_logprobs": top_k}
+        body = self._json("POST", "/v1/completions", payload, what=f"top-{top_k} prompt log-probabilities")
+        try:
+            raw = body["choices"][0]["prompt_logprobs"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ServerError(f"{self.base_url} returned no choices[0].prompt_logprobs") from exc
+        if raw is None:
+            raise ServerError(f"{self.base_url} ignores `prompt_logprobs` (it returned none)",
+                              hint="eval kld needs vLLM's prompt_logprobs extension of /v1/completions")
+        if len(raw) != len(ids):
+            raise ServerError(f"sent {len(ids)} tokens, got {len(raw)} prompt log-probabilities back")
+        out: list[dict[int, tuple[float, int]] | None] = []
+        for pos, (token, entry) in enumerate(zip(ids, raw, strict=True)):
+            if entry is None:
+                out.append(None)
+                continue
+            if not isinstance(entry, dict) or str(token) not in entry:
+                raise ServerError(
+                    f"the server scored a different token than was sent at position {pos} "
+                    f"(sent {token}, got {sorted(entry)[:3] if isinstance(entry, dict) else entry})")
+            parsed = {}
+            for key, item in entry.items():
+                value = float(item["logprob"])
+                parsed[int(key)] = (value if math.isfinite(value) else -9999.0, int(item.get("rank") or 0))
+            out.append(parsed)
+        return out
+
     def complete(self, prompt: str | list[int], *, max_tokens: int, extra: dict | None = None) -> Answer:
         payload = {"model": self.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                    **(extra or {})}

@@ -62,6 +62,10 @@ class FakeEngine:
                                    "decoded_token": decode([tok])}})
         return out
 
+    def prompt_top_logprobs(self, ids: list[int], top_k: int) -> list[dict | None]:
+        """`prompt_logprobs: top_k`: the actual token only here; a subclass may list alternatives."""
+        return self.prompt_logprobs(ids)
+
     def answer(self, prompt_text: str) -> str:
         asked = re.findall(r"What is the secret code of ([^?]+)\?", prompt_text)
         if not asked or not self.retrieve:
@@ -183,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             choice["text"] = text
             if body.get("prompt_logprobs") is not None:
-                choice["prompt_logprobs"] = e.prompt_logprobs(ids)
+                choice["prompt_logprobs"] = e.prompt_top_logprobs(ids, int(body["prompt_logprobs"]))
         self._send(200, {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
                          "usage": {"prompt_tokens": len(ids), "completion_tokens": len(encode(text))}})
 
