@@ -10,6 +10,9 @@ Two defects of vLLM 0.30 are covered here:
     glmctl's Triton kernels (`glmctl.kernels.mhc`) for the three ops GLM-5.3-Flash calls,
     vLLM's torch reference for the delayed pre, vLLM's own Triton kernel for the HC head.
 
+  - vLLM CPU's fused mHC kernels (`hc_pre_fused_cpu`, `hc_post_fused_cpu`) exist only in its
+    AVX-512 build (`_C_AVX512`); on other x86 hosts (AVX2) every mHC op takes vLLM's torch path.
+
 Which path runs is `policy.decide_mhc_path` (switch GLMCTL_MHC=auto|tilelang|triton|torch).
 glmctl's kernels are registered as torch ops (`torch.ops.glmctl.*`, with shape-only fake
 implementations), so torch.compile treats them as opaque calls and CUDA graphs capture them.
@@ -66,7 +69,8 @@ def _op_classes(m, path: MhcPath) -> dict:
         def forward_cpu(self, residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
                         hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits=1,
                         norm_weight=None, norm_eps=0.0):
-            post, comb, layer_input = super().forward_cpu(
+            cpu_op = super().forward_cpu if _cpu_kernels() else self.forward_native
+            post, comb, layer_input = cpu_op(
                 residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
                 hc_post_mult_value, sinkhorn_repeat, n_splits,
             )
@@ -89,7 +93,8 @@ def _op_classes(m, path: MhcPath) -> dict:
         def forward_cpu(self, x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base,
                         rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
                         sinkhorn_repeat, n_splits=1, tile_n=1, norm_weight=None, norm_eps=0.0):
-            residual_cur, post, comb, layer_input = super().forward_cpu(
+            cpu_op = super().forward_cpu if _cpu_kernels() else self.forward_native
+            residual_cur, post, comb, layer_input = cpu_op(
                 x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps,
                 hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits,
                 tile_n,
@@ -113,6 +118,11 @@ def _op_classes(m, path: MhcPath) -> dict:
             return cur, post, comb, m._apply_mhc_norm(layer_input, norm_weight, norm_eps)
 
     class GlmctlMHCPostOp(m.MHCPostOp):
+        def forward_cpu(self, x, residual, post_layer_mix, comb_res_mix):
+            if _cpu_kernels():
+                return super().forward_cpu(x, residual, post_layer_mix, comb_res_mix)
+            return self.forward_native(x, residual, post_layer_mix, comb_res_mix)
+
         def forward_cuda(self, x, residual, post_layer_mix, comb_res_mix):
             if tilelang:
                 return super().forward_cuda(x, residual, post_layer_mix, comb_res_mix)
@@ -169,3 +179,10 @@ def _register_triton_ops() -> None:
     from glmctl.plugin import mhc_ops
 
     mhc_ops.register()
+
+
+def _cpu_kernels() -> bool:
+    """vLLM CPU's fused mHC kernels are in its AVX-512 build only."""
+    import torch
+
+    return hasattr(torch.ops._C, "hc_pre_fused_cpu")
