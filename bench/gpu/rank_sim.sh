@@ -27,7 +27,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     $(ls .whl/*.whl | grep -v '/glmctl-') || echo "installing .whl failed (EXL3 runs will fail)"
 fi
-export PYTHONPATH=/tmp/vsite:$ROOT/.whl/ext:/tmp/site:$ROOT PYTHONUNBUFFERED=1
+# glmctl is not installed there: a dist-info holding only its entry point makes vLLM load the
+# plugin (`vllm.general_plugins`) in every process it starts.
+version=$(PYTHONPATH=$ROOT python3 -c "import glmctl; print(glmctl.__version__)")
+dist=/tmp/glmctl-entry/glmctl-$version.dist-info
+mkdir -p "$dist"
+printf 'Metadata-Version: 2.1\nName: glmctl\nVersion: %s\n' "$version" > "$dist/METADATA"
+printf '[vllm.general_plugins]\nglmctl = glmctl.plugin:register\n' > "$dist/entry_points.txt"
+export PYTHONPATH=/tmp/vsite:/tmp/glmctl-entry:$ROOT/.whl/ext:/tmp/site:$ROOT PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 EXL3_EXPANDABLE_SEGMENTS=0
 export VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel,DeepGemmFp8BlockScaledMMKernel,CutlassFp8BlockScaledMMKernel,B12xFp8BlockScaledMMKernel
 export VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0
