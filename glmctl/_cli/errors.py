@@ -14,7 +14,7 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
 
 
-def _say(prefix: str, message: str, hint: str | None) -> None:
+def _say(prefix: str, message: str, hint: str | None, offer_traceback: bool = True) -> None:
     from rich.console import Console
     from rich.markup import escape
 
@@ -24,7 +24,7 @@ def _say(prefix: str, message: str, hint: str | None) -> None:
     err.print(f"[bold red]{prefix}:[/bold red] {escape(message)}", markup=True)
     if hint:
         err.print(f"[bold]hint:[/bold] {escape(hint)}")
-    if not _debug():
+    if offer_traceback and not _debug():  # a usage error is fixed from its sentence, not a traceback
         err.print(f"[dim](set {DEBUG_ENV}=1 for the traceback)[/dim]")
 
 
@@ -44,7 +44,7 @@ def run_guarded(entry: Callable[[], object]) -> int:
     except GlmctlError as exc:
         if _debug():
             traceback.print_exc()
-        _say("error", exc.message, exc.hint)
+        _say("error", exc.message, exc.hint, offer_traceback=exc.exit_code != 2)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
