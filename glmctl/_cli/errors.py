@@ -28,11 +28,23 @@ def _say(prefix: str, message: str, hint: str | None, offer_traceback: bool = Tr
         err.print(f"[dim](set {DEBUG_ENV}=1 for the traceback)[/dim]")
 
 
+def _exit_now(code: int) -> None:
+    """Exit without joining worker threads (Python waits for every pool worker at exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def run_guarded(entry: Callable[[], object]) -> int:
     """Run the CLI; turn known failures into a message and an exit code.
 
     GlmctlError -> its exit_code (1 runtime, 2 usage/config); KeyboardInterrupt -> 130;
     anything else -> 1 with "unexpected error". GLMCTL_DEBUG=1 prints the traceback too.
+    An error that says `abandon_threads` (work in flight that cannot be cancelled, such as
+    huggingface_hub's transfers) ends the process at once instead of waiting for those threads.
     """
     from glmctl.errors import GlmctlError
 
@@ -44,7 +56,9 @@ def run_guarded(entry: Callable[[], object]) -> int:
     except GlmctlError as exc:
         if _debug():
             traceback.print_exc()
-        _say("error", exc.message, exc.hint, offer_traceback=exc.exit_code != 2)
+        _say("error", exc.message, exc.hint, offer_traceback=exc.exit_code not in (2, 130))
+        if getattr(exc, "abandon_threads", False):
+            _exit_now(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
