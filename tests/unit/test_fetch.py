@@ -68,6 +68,7 @@ def test_download_writes_manifest_and_verifies(fetch_cli, tmp_path):
     assert result["revision"] == COMMIT and result["verify"]["source"] == "hub"
     assert {f["status"] for f in result["verify"]["files"]} == {"ok"}
     assert len(result["verify"]["files"]) == 4 and result["verify"]["problems"] == []
+    assert (dest / ".glmctl" / "manifest.json").stat().st_mode & 0o777 == (dest / "config.json").stat().st_mode & 0o777
     manifest = json.loads((dest / ".glmctl" / "manifest.json").read_text())
     shards = [f for f in manifest["files"] if f["path"].endswith(".safetensors")]
     assert all(len(f["sha256"]) == 64 for f in shards)

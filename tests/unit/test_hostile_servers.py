@@ -104,6 +104,7 @@ def test_api_key_from_the_flag_or_vllms_variables_and_a_401_says_which(capsys, s
     ok = perplexity(capsys, url, out, corpus, "--json")
     assert ok.code == 0, ok.err
     assert "s3cret" not in ok.text and out.exists()
+    assert out.stat().st_mode & 0o044  # a result is an ordinary file, not mkstemp's 0600
     monkeypatch.delenv("VLLM_API_KEY")
     other = perplexity(capsys, url, out, corpus)
     assert other.code == 2 and "from OPENAI_API_KEY was refused" in other.err
