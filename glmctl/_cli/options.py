@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import profile_names
+
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
 ]
@@ -20,7 +22,8 @@ ModelOpt = Annotated[
     ),
 ]
 ProfileOpt = Annotated[
-    str | None, typer.Option("--profile", "-p", help="A shipped or user serving profile name.")
+    str | None, typer.Option("--profile", "-p", autocompletion=profile_names,
+                             help="A shipped or user serving profile name.")
 ]
 UrlOpt = Annotated[
     str | None,

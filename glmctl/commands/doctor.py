@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import profile_names
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
 
 def doctor(
     quick: Annotated[bool, typer.Option("--quick", help="Skip the long measurements (P2P write tests, big sizes).")] = False,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="The profile the exit code is about.")] = "commercial",
+    profile: Annotated[str, typer.Option("--profile", "-p", autocompletion=profile_names, help="The profile the exit code is about.")] = "commercial",
     record: Annotated[Path | None, typer.Option("--record", help="Also write the full report JSON to this file.")] = None,
     replay: Annotated[Path | None, typer.Option("--from", help="Judge a recorded report instead of probing.")] = None,
     json_: JsonOpt = False,

@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import fetch_targets
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
 
 def fetch(
     target: Annotated[
         str | None,
-        typer.Argument(help="A catalogue artifact (glm-5.3-flash, glm-5.3-flash-exl3-4bit, dflash2) or a Hub repo id."),
+        typer.Argument(autocompletion=fetch_targets, help="A catalogue artifact (glm-5.3-flash, glm-5.3-flash-exl3-4bit, dflash2) or a Hub repo id."),
     ] = None,
     revision: Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit (default: main).")] = None,
     include: Annotated[list[str] | None, typer.Option("--include", help="Only files matching this glob (repeatable).")] = None,

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import kv_cache_dtypes
 from glmctl._cli.options import JsonOpt, ModelOpt, examples
 
 _FMT = "bf16, fp8 or exl3:BITS"
@@ -47,7 +48,7 @@ def plan(
     mla: Annotated[str | None, _fmt_opt("--mla", "MLA and indexer projections")] = None,
     embeddings: Annotated[str | None, _fmt_opt("--embeddings", "embedding and LM head")] = None,
     kv_cache_dtype: Annotated[
-        str, typer.Option("--kv-cache-dtype", help="auto (bf16), bf16, fp8 (512 B/token/layer) or fp8_ds_mla "
+        str, typer.Option("--kv-cache-dtype", autocompletion=kv_cache_dtypes, help="auto (bf16), bf16, fp8 (512 B/token/layer) or fp8_ds_mla "
                           "(vLLM's 656-byte DeepSeek record).", rich_help_panel=_SETUP)
     ] = "auto",
     speculative: Annotated[
@@ -175,11 +176,13 @@ def _check_model_limits(spec, max_model_len: int | None) -> None:
 
 
 def _kv_dtype(text: str) -> str:
+    from glmctl._cli.completion import kv_cache_dtype_names
     from glmctl.errors import UsageError
 
+    names = kv_cache_dtype_names()
     value = {"bfloat16": "bf16"}.get(text.strip().lower(), text.strip().lower())
-    if value not in ("auto", "bf16", "fp8", "fp8_ds_mla", "fp8_e4m3"):
-        raise UsageError(f"--kv-cache-dtype '{text}' is not one of auto, bf16, fp8, fp8_ds_mla")
+    if value not in (*names, "fp8_e4m3"):
+        raise UsageError(f"--kv-cache-dtype '{text}' is not one of {', '.join(names)}")
     return "fp8" if value == "fp8_e4m3" else value
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import profile_names
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
 app = typer.Typer(
@@ -14,7 +15,7 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-NameArg = Annotated[str, typer.Argument(help="A profile name (glmctl profile ls) or a YAML file.")]
+NameArg = Annotated[str, typer.Argument(autocompletion=profile_names, help="A profile name (glmctl profile ls) or a YAML file.")]
 ModelPathOpt = Annotated[
     Path | None, typer.Option("--model", "-m", help="Checkpoint directory (overrides the profile's).")
 ]

@@ -8,11 +8,12 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import profile_names
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
 
 def serve(
-    profile: Annotated[str, typer.Option("--profile", "-p", help="Serving profile name (glmctl profile ls) or YAML file.")],
+    profile: Annotated[str, typer.Option("--profile", "-p", autocompletion=profile_names, help="Serving profile name (glmctl profile ls) or YAML file.")],
     model: Annotated[Path | None, typer.Option("--model", "-m", help="Checkpoint directory (overrides the profile's).")] = None,
     drafter: Annotated[Path | None, typer.Option("--drafter", help="Drafter checkpoint directory (DFlash2 profiles).")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
