@@ -41,6 +41,10 @@ class QuantizeError(GlmctlError):
     """A tensor could not be converted (e.g. it holds NaN). Exit code 1."""
 
 
+class OutputVerificationFailed(GlmctlError):
+    """What was written does not verify; it is not moved to DST. Exit code 1."""
+
+
 @dataclass
 class RoleRow:
     role: str
@@ -119,10 +123,26 @@ def convert_fp8(src: Path, dst: Path, settings: Fp8Settings, *, force: bool = Fa
             if on_shard_done:
                 on_shard_done(shard.path.name)
     _write_metadata(job, ckpt, plan, result)
+    _verify_output(job)
     job.finalize()
     result.shards_resumed = job.resumed_units
+    result.notes += [f"{unit} had changed since it was written (size or SHA-256): converted again"
+                     for unit in job.redone_units]
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _verify_output(job: ConversionJob) -> None:
+    """`glmctl quantize verify`'s structural checks on the finished output, before it becomes DST:
+    a checkpoint that fails them stays in the partial directory, never at DST."""
+    from glmctl.quantize.verify import verify_fp8
+
+    check = verify_fp8(job.work)
+    if check.problems:
+        raise OutputVerificationFailed(
+            f"the converted checkpoint fails verification ({len(check.problems)} problem(s), first: "
+            f"{check.problems[0]}); it was left in {job.work}, not moved to {job.dst}",
+            hint="run glmctl quantize verify on it for the whole list; rerun with --force to convert again")
 
 
 def _check_paths(src: Path, dst: Path) -> None:

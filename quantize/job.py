@@ -7,16 +7,18 @@
     DST/                                     appears only by rename, after everything is written
 
 The job file (`glmctl-job.json`, exllamav3's idea) records the converter's settings, a fingerprint
-of the source, and every finished unit with its size. `--resume` skips the finished units and
-refuses when the settings or the source differ; without `--resume` an existing partial directory is
-an error (it may hold hours of work) unless `--force` discards it. Converters share this: the FP8
-converter's units are shards, the EXL3 converter's may be layers.
+of the source, and every finished unit with its size and SHA-256. `--resume` skips the finished
+units whose file still hashes as recorded (a unit damaged since is converted again, and said so)
+and refuses when the settings or the source differ; without `--resume` an existing partial
+directory is an error (it may hold hours of work) unless `--force` discards it. Converters share
+this: the FP8 converter's units are shards, the EXL3 converter's may be layers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -47,6 +49,8 @@ class ConversionJob:
     source_fingerprint: str
     finished: dict[str, dict] = field(default_factory=dict)
     resumed_units: int = 0
+    redone_units: list[str] = field(default_factory=list)
+    """Units a resume found changed since they were recorded (size or hash): converted again."""
 
     @property
     def work(self) -> Path:
@@ -106,11 +110,14 @@ class ConversionJob:
             raise UsageError("refusing to resume: the source checkpoint changed since the partial "
                              "conversion began (config, index, or a shard's size or time)",
                              hint="pass --force instead of --resume to start over from the current source")
-        # A unit counts as finished only if its file is still there at the recorded size.
+        # A unit counts as finished only if its file is still there, of the recorded size and hash.
         for unit, info in saved.get("finished", {}).items():
             f = self.work / unit
-            if f.is_file() and f.stat().st_size == info.get("bytes"):
+            if f.is_file() and f.stat().st_size == info.get("bytes") and info.get("sha256") == _sha256(f):
                 self.finished[unit] = info
+            else:
+                self.redone_units.append(unit)
+                f.unlink(missing_ok=True)
         self.resumed_units = len(self.finished)
         for stale in self.work.glob("*.part"):
             stale.unlink()
@@ -131,8 +138,9 @@ class ConversionJob:
         final = self.work / name
         try:
             yield tmp
+            digest = _sha256(tmp)  # read back from the page cache: what a resume will compare
             os.replace(tmp, final)
-            self.finished[name] = {"bytes": final.stat().st_size}
+            self.finished[name] = {"bytes": final.stat().st_size, "sha256": digest}
             self._save()
         except OSError as exc:
             tmp.unlink(missing_ok=True)
@@ -197,6 +205,14 @@ class ConversionJob:
             os.replace(tmp, self.work / JOB_FILE)
         except OSError as exc:
             raise self.io_error(exc, f"recording progress in {JOB_FILE}") from exc
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -14,7 +14,7 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
 
 
-def _say(prefix: str, message: str, hint: str | None) -> None:
+def _say(prefix: str, message: str, hint: str | None, offer_traceback: bool = True) -> None:
     from rich.console import Console
     from rich.markup import escape
 
@@ -24,8 +24,18 @@ def _say(prefix: str, message: str, hint: str | None) -> None:
     err.print(f"[bold red]{prefix}:[/bold red] {escape(message)}", markup=True)
     if hint:
         err.print(f"[bold]hint:[/bold] {escape(hint)}")
-    if not _debug():
+    if offer_traceback and not _debug():  # a usage error is fixed from its sentence, not a traceback
         err.print(f"[dim](set {DEBUG_ENV}=1 for the traceback)[/dim]")
+
+
+def _exit_now(code: int) -> None:
+    """Exit without joining worker threads (Python waits for every pool worker at exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def run_guarded(entry: Callable[[], object]) -> int:
@@ -33,6 +43,8 @@ def run_guarded(entry: Callable[[], object]) -> int:
 
     GlmctlError -> its exit_code (1 runtime, 2 usage/config); KeyboardInterrupt -> 130;
     anything else -> 1 with "unexpected error". GLMCTL_DEBUG=1 prints the traceback too.
+    An error that says `abandon_threads` (work in flight that cannot be cancelled, such as
+    huggingface_hub's transfers) ends the process at once instead of waiting for those threads.
     """
     from glmctl.errors import GlmctlError
 
@@ -44,7 +56,9 @@ def run_guarded(entry: Callable[[], object]) -> int:
     except GlmctlError as exc:
         if _debug():
             traceback.print_exc()
-        _say("error", exc.message, exc.hint)
+        _say("error", exc.message, exc.hint, offer_traceback=exc.exit_code not in (2, 130))
+        if getattr(exc, "abandon_threads", False):
+            _exit_now(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

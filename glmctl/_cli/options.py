@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import profile_names
+
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
 ]
@@ -20,13 +22,30 @@ ModelOpt = Annotated[
     ),
 ]
 ProfileOpt = Annotated[
-    str | None, typer.Option("--profile", "-p", help="A shipped or user serving profile name.")
+    str | None, typer.Option("--profile", "-p", autocompletion=profile_names,
+                             help="A shipped or user serving profile name.")
 ]
 UrlOpt = Annotated[
     str | None,
     typer.Option("--url", help="Base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000."),
 ]
 OutDirOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Where to write results.")]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", show_default=False, metavar="KEY",
+                 help="API key the server was started with (default: $VLLM_API_KEY, else $OPENAI_API_KEY). "
+                      "Sent as a bearer token, never printed."),
+]
+RequestTimeoutOpt = Annotated[
+    float, typer.Option("--timeout", min=1, metavar="SECONDS",
+                        help="Seconds one request may take in all: connecting, the server's work and every "
+                             "byte of the answer.")
+]
+DeadlineOpt = Annotated[
+    float, typer.Option("--deadline", min=0, metavar="SECONDS",
+                        help="Seconds the whole command may take, a --profile server's start-up included "
+                             "(0: no limit).")
+]
 
 
 def examples(*lines: str) -> str:

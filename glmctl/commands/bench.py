@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from glmctl._cli.options import JsonOpt, ProfileOpt, QuietOpt, UrlOpt, examples
+from glmctl._cli.options import (
+    ApiKeyOpt,
+    DeadlineOpt,
+    JsonOpt,
+    ProfileOpt,
+    QuietOpt,
+    UrlOpt,
+    examples,
+)
 from glmctl.commands.eval import (
     AcceptLicenseOpt,
     BaselineOpt,
@@ -30,40 +38,45 @@ def bench(
     context: Annotated[str | None, typer.Option(
         help="Prompt tokens per session, k = 1,000 (default 22k; with --sweep a list, default the "
              "report's 22k,64k,128k,240k that fit).")] = None,
-    output_tokens: Annotated[int, typer.Option(help="Tokens each session generates (EOS ignored).")] = 512,
+    output_tokens: Annotated[int, typer.Option(min=2, help="Tokens each session generates (EOS ignored).")] = 512,
     prompts: Annotated[Path | None, typer.Option(
         help="A directory of real prompts (text files), cycled to the context length.")] = None,
     sweep: Annotated[bool, typer.Option(help="Run every sessions x context cell; print the scaling table.")] = False,
-    poll_interval: Annotated[float, typer.Option(help="Seconds between /metrics samples.")] = 0.5,
+    poll_interval: Annotated[float, typer.Option(min=0.05, max=60, help="Seconds between /metrics samples.")] = 0.5,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result JSON here (a later --baseline).")] = None,
     baseline: BaselineOpt = None,
     timeout: TimeoutOpt = 3600.0,
+    deadline: DeadlineOpt = 43_200.0,
+    api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """N concurrent sessions at a context length: TTFT per session and steady-state decode tok/s.
 
     Steady decode is the rate of vllm:generation_tokens_total while all N sessions decode and nothing else happens (no waiting request, no prefill, no preemption), checked against the tokens the clients counted in the same window.
+
+    Exit 0 only when every cell measured steady decode; 1 when a session failed (nothing is written), no cell measured it (nothing is written), or some cells did not (the result is written, each such cell with its reason).
     """
     from glmctl._cli.output import Output
     from glmctl.errors import UsageError
     from glmctl.evals import bench as b
     from glmctl.evals import corpus
-    from glmctl.evals.results import load_result, save_result
+    from glmctl.evals.results import check_writable, load_result, save_result
     from glmctl.evals.target import open_server
     from glmctl.evals.tokenizer import open_tokenizer
+    from glmctl.evals.transport import Deadline, resolve_api_key
 
     output = Output.from_flags(json_, quiet)
+    check_writable(out)
     session_list = b.parse_counts(sessions, "sessions") if sessions else None
     context_list = b.parse_counts(context, "context") if context else None
     if not sweep and ((session_list and len(session_list) > 1) or (context_list and len(context_list) > 1)):
         raise UsageError("several --sessions or --context values need --sweep", hint="add --sweep to run the grid")
-    if poll_interval <= 0 or output_tokens < 2:
-        raise UsageError("--poll-interval must be > 0 and --output-tokens at least 2")
     base = load_result(baseline, b.BenchResult, "bench") if baseline else None
     prompt_files = corpus.read_prompt_dir(prompts) if prompts else None
     with open_server(url, profile, model=model, checkpoint=checkpoint, accept=accept_license,
-                     timeout=timeout, note=output.note) as server, \
+                     timeout=timeout, note=output.note, api_key=resolve_api_key(api_key),
+                     deadline=Deadline(deadline, "glmctl bench")) as server, \
             output.progress(unit="tokens") as bar:
         tokenizer = open_tokenizer(server, tokenizer_dir)
         source = None if prompt_files else corpus.stdlib_text()
@@ -85,6 +98,12 @@ def bench(
     if out is not None:
         save_result(out, result)
     output.result(result, lambda console: _render(console, result, out))
+    unmeasured = b.unmeasured_cells(result)
+    if unmeasured:
+        output.warn(f"{len(unmeasured)} of {len(result.cells)} cell(s) measured no steady decode "
+                    f"(first: {unmeasured[0].sessions} x {unmeasured[0].context_tokens:,}: "
+                    f"{unmeasured[0].no_steady_reason})")
+        raise typer.Exit(1)
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:

@@ -8,7 +8,16 @@ from typing import Annotated
 
 import typer
 
-from glmctl._cli.options import JsonOpt, ProfileOpt, QuietOpt, UrlOpt, examples
+from glmctl._cli.options import (
+    ApiKeyOpt,
+    DeadlineOpt,
+    JsonOpt,
+    ProfileOpt,
+    QuietOpt,
+    RequestTimeoutOpt,
+    UrlOpt,
+    examples,
+)
 
 app = typer.Typer(help="Quality checks against a live server: perplexity, needle in a haystack, KLD, HumanEval.",
                   no_args_is_help=True)
@@ -24,7 +33,7 @@ TokenizerOpt = Annotated[
 BaselineOpt = Annotated[
     Path | None, typer.Option("--baseline", help="A result file of an earlier run to compare against.")
 ]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for one request.")]
+TimeoutOpt = RequestTimeoutOpt
 CheckpointOpt = Annotated[
     Path | None, typer.Option("--checkpoint", help="With --profile: the checkpoint directory to serve.")
 ]
@@ -56,14 +65,16 @@ def perplexity(
     accept_license: AcceptLicenseOpt = None,
     model: ServedModelOpt = None,
     tokenizer_dir: TokenizerOpt = None,
-    window: Annotated[int | None, typer.Option(help="Text tokens per request (default 4,096, within max_model_len).")] = None,
-    stride: Annotated[int | None, typer.Option(help="New tokens scored per window (default: half the window).")] = None,
+    window: Annotated[int | None, typer.Option(min=2, help="Text tokens per request (default 4,096, within max_model_len).")] = None,
+    stride: Annotated[int | None, typer.Option(min=1, help="New tokens scored per window (default: half the window).")] = None,
     bos: Annotated[str, typer.Option(help="What every window starts with (never scored): auto = the tokenizer's own "
                                           "special prefix (BOS), none = nothing, or a literal such as '[gMASK]<sop>'.")] = "auto",
-    max_tokens: Annotated[int, typer.Option(help="Score the text's first N tokens.")] = 30_000,
+    max_tokens: Annotated[int, typer.Option(min=2, help="Score the text's first N tokens.")] = 30_000,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result JSON here (a later --baseline).")] = None,
     baseline: BaselineOpt = None,
     timeout: TimeoutOpt = 600.0,
+    deadline: DeadlineOpt = 7200.0,
+    api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -74,15 +85,18 @@ def perplexity(
     from glmctl._cli.output import Output
     from glmctl.evals import corpus
     from glmctl.evals import perplexity as ppl
-    from glmctl.evals.results import load_result, save_result
+    from glmctl.evals.results import check_writable, load_result, save_result
     from glmctl.evals.target import open_server
     from glmctl.evals.tokenizer import open_tokenizer
+    from glmctl.evals.transport import Deadline, resolve_api_key
 
     output = Output.from_flags(json_, quiet)
+    check_writable(out)
     base = load_result(baseline, ppl.PerplexityResult, "perplexity") if baseline else None
     source = corpus.load_text(paths)
     with open_server(url, profile, model=model, checkpoint=checkpoint, accept=accept_license,
-                     timeout=timeout, note=output.note) as server, \
+                     timeout=timeout, note=output.note, api_key=resolve_api_key(api_key),
+                     deadline=Deadline(deadline, "glmctl eval perplexity")) as server, \
             output.progress(unit="tokens") as bar:
         tokenizer = open_tokenizer(server, tokenizer_dir)
         task = bar.add_task("scoring", total=None)
@@ -140,19 +154,21 @@ def needle(
     haystack: Annotated[list[Path] | None, typer.Option(
         help="Haystack source files or directories (default: Python's stdlib slice); repeatable.")] = None,
     kind: Annotated[str, typer.Option(help="Needle value: number (7 digits) or uuid.")] = "number",
-    distractors: Annotated[int, typer.Option(help="Other names with other values in the haystack.")] = 3,
+    distractors: Annotated[int, typer.Option(min=0, max=100, help="Other names with other values in the haystack.")] = 3,
     api: Annotated[str, typer.Option(help="chat: the server applies the model's template; completion: the "
                                           "template is rendered here and the answer prefix is given.")] = "chat",
     template_kwargs: Annotated[str | None, typer.Option(
         help="JSON passed to the chat template, e.g. '{\"enable_thinking\": false}'.")] = None,
-    max_answer_tokens: Annotated[int, typer.Option(help="Tokens the model may answer with.")] = 48,
-    seed: Annotated[int, typer.Option(help="Seed of the needles (per cell: seed, length, depth).")] = 0,
+    max_answer_tokens: Annotated[int, typer.Option(min=1, help="Tokens the model may answer with.")] = 48,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the needles (per cell: seed, length, depth).")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Results JSONL (resumed if it exists).")] = Path("needle.jsonl"),
     png: Annotated[Path | None, typer.Option(help="Heatmap PNG (default: next to --out; needs matplotlib).")] = None,
     restart: Annotated[bool, typer.Option(help="Start --out over instead of resuming it.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Plan every cell's prompt and show the layout; ask nothing.")] = False,
     baseline: BaselineOpt = None,
     timeout: TimeoutOpt = 1800.0,
+    deadline: DeadlineOpt = 43_200.0,
+    api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -164,10 +180,15 @@ def needle(
     from glmctl.errors import UsageError
     from glmctl.evals import corpus, needle_run
     from glmctl.evals import needle as nd
+    from glmctl.evals.results import check_writable
     from glmctl.evals.target import open_server
     from glmctl.evals.tokenizer import open_tokenizer
+    from glmctl.evals.transport import Deadline, resolve_api_key
 
     output = Output.from_flags(json_, quiet)
+    check_writable(out)
+    if png is not None:
+        check_writable(png, "--png")
     if kind not in ("number", "uuid"):
         raise UsageError(f"--kind must be number or uuid, not {kind!r}")
     if api not in ("chat", "completion"):
@@ -176,7 +197,8 @@ def needle(
     kwargs = _template_kwargs(template_kwargs)
     source = corpus.load_text(haystack)
     with open_server(url, profile, model=model, checkpoint=checkpoint, accept=accept_license,
-                     timeout=timeout, note=output.note) as server, \
+                     timeout=timeout, note=output.note, api_key=resolve_api_key(api_key),
+                     deadline=Deadline(deadline, "glmctl eval needle")) as server, \
             output.progress(unit="cells") as bar:
         tokenizer = open_tokenizer(server, tokenizer_dir)
         task = bar.add_task("needle grid", total=len(grid_lengths) * len(grid_depths))

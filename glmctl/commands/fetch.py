@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import fetch_targets
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
 
 def fetch(
     target: Annotated[
         str | None,
-        typer.Argument(help="A catalogue artifact (glm-5.3-flash, glm-5.3-flash-exl3-4bit, dflash2) or a Hub repo id."),
+        typer.Argument(autocompletion=fetch_targets, help="A catalogue artifact (glm-5.3-flash, glm-5.3-flash-exl3-4bit, dflash2) or a Hub repo id."),
     ] = None,
     revision: Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit (default: main).")] = None,
     include: Annotated[list[str] | None, typer.Option("--include", help="Only files matching this glob (repeatable).")] = None,
@@ -27,11 +28,20 @@ def fetch(
     repair: Annotated[bool, typer.Option("--repair", help="With --verify: download damaged or missing files again.")] = False,
     offline: Annotated[bool, typer.Option("--offline", help="With --verify: use only the manifest written at download time.")] = False,
     no_hash: Annotated[bool, typer.Option("--no-hash", help="Check presence and sizes only (much faster on 100s of GB).")] = False,
-    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Parallel downloads / hashing threads.")] = 8,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, max=64, help="Parallel downloads / hashing threads.")] = 8,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=1, metavar="SECONDS",
+        help="Seconds one request to the Hub, or one stalled read of a download, may take.")] = 60.0,
+    deadline: Annotated[float, typer.Option(
+        "--deadline", min=0, metavar="SECONDS",
+        help="Seconds the whole fetch (listing, download, repair) may take (0: no limit).")] = 86_400.0,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Download an artifact (resumable), gate it on its licence, and verify every file."""
+    """Download an artifact (resumable), gate it on its licence, and verify every file.
+
+    Exit 0 only when every file verified; 1 when a file is damaged or missing, nothing could be verified, or the Hub failed; 2 for a bad request, an unknown repository or a licence not accepted; 130 at Ctrl-C (finished files are kept, partial ones resume).
+    """
     from glmctl._cli.output import Output
     from glmctl.errors import UsageError
     from glmctl.hub import fetching
@@ -42,7 +52,7 @@ def fetch(
             raise UsageError("--verify DIR checks an existing download; do not also name an artifact",
                              hint=f"glmctl fetch --verify {verify}")
         result = fetching.verify_download(verify, offline=offline, hash_contents=not no_hash, jobs=jobs,
-                                          repair=repair, out=out)
+                                          repair=repair, out=out, timeout=timeout, deadline_s=deadline)
     else:
         if target is None:
             raise UsageError("name an artifact or a repo id to fetch", hint="glmctl fetch glm-5.3-flash")
@@ -50,7 +60,7 @@ def fetch(
             raise UsageError("--repair and --offline only apply with --verify DIR")
         result = fetching.fetch(target, repo=repo, revision=revision, include=include or [], exclude=exclude or [],
                                 local_dir=local_dir, accept=accept_license or [], hash_contents=not no_hash,
-                                jobs=jobs, out=out)
+                                jobs=jobs, out=out, timeout=timeout, deadline_s=deadline)
     out.result(result, render=lambda console: fetching.render(result, console))
     if not result.verify.ok:
         raise typer.Exit(1)

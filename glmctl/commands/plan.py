@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import kv_cache_dtypes
 from glmctl._cli.options import JsonOpt, ModelOpt, examples
 
 _FMT = "bf16, fp8 or exl3:BITS"
@@ -26,7 +27,7 @@ def plan(
         str | None, typer.Option("--gpus", help="GPUs as COUNTxMODEL, e.g. 8xL40. Models: L40, L40S, RTX4090, L4, "
                                  "A10, A6000, A100-40GB, A100-80GB, H100.", rich_help_panel=_NODE)
     ] = None,
-    num_gpus: Annotated[int | None, typer.Option("--num-gpus", help="GPU count (overrides --gpus).",
+    num_gpus: Annotated[int | None, typer.Option("--num-gpus", min=1, help="GPU count (overrides --gpus).",
                                                  rich_help_panel=_NODE)] = None,
     gpu_memory_gib: Annotated[
         float | None, typer.Option("--gpu-memory-gib", help="CUDA-visible memory per GPU in GiB (overrides --gpus).",
@@ -39,7 +40,7 @@ def plan(
         float | None, typer.Option("--kv-cache-gib", help="Fixed KV space per device in GiB (vLLM's "
                                    "--kv-cache-memory-bytes); skips the utilization budget.", rich_help_panel=_NODE)
     ] = None,
-    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: all GPUs; 1 on CPU).",
+    tp: Annotated[int | None, typer.Option("--tp", min=1, help="Tensor-parallel size (default: all GPUs; 1 on CPU).",
                                            rich_help_panel=_SETUP)] = None,
     experts: Annotated[str | None, _fmt_opt("--experts", "routed experts", exl3=True)] = None,
     dense: Annotated[str | None, _fmt_opt("--dense", "shared experts and dense MLPs")] = None,
@@ -47,7 +48,7 @@ def plan(
     mla: Annotated[str | None, _fmt_opt("--mla", "MLA and indexer projections")] = None,
     embeddings: Annotated[str | None, _fmt_opt("--embeddings", "embedding and LM head")] = None,
     kv_cache_dtype: Annotated[
-        str, typer.Option("--kv-cache-dtype", help="auto (bf16), bf16, fp8 (512 B/token/layer) or fp8_ds_mla "
+        str, typer.Option("--kv-cache-dtype", autocompletion=kv_cache_dtypes, help="auto (bf16), bf16, fp8 (512 B/token/layer) or fp8_ds_mla "
                           "(vLLM's 656-byte DeepSeek record).", rich_help_panel=_SETUP)
     ] = "auto",
     speculative: Annotated[
@@ -59,19 +60,19 @@ def plan(
                                   rich_help_panel=_SETUP)
     ] = None,
     max_model_len: Annotated[
-        int | None, typer.Option("--max-model-len", help="Context per request in tokens (default 262,144, capped at "
+        int | None, typer.Option("--max-model-len", min=1, help="Context per request in tokens (default 262,144, capped at "
                                  "the model's limit).", rich_help_panel=_SETUP)
     ] = None,
     max_num_seqs: Annotated[
-        int | None, typer.Option("--max-num-seqs", help="Slots: concurrent requests (vLLM default 256 on GPU).",
+        int | None, typer.Option("--max-num-seqs", min=1, help="Slots: concurrent requests (vLLM default 256 on GPU).",
                                  rich_help_panel=_SETUP)
     ] = None,
     max_num_batched_tokens: Annotated[
-        int | None, typer.Option("--max-num-batched-tokens", help="Tokens per step (vLLM's default for the GPU).",
+        int | None, typer.Option("--max-num-batched-tokens", min=1, help="Tokens per step (vLLM's default for the GPU).",
                                  rich_help_panel=_SETUP)
     ] = None,
     gpu_memory_utilization: Annotated[
-        float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory vLLM may use.",
+        float, typer.Option("--gpu-memory-utilization", max=1.0, help="Fraction of GPU memory vLLM may use.",
                             rich_help_panel=_SETUP)
     ] = 0.92,
     cudagraph_capture_sizes: Annotated[
@@ -79,7 +80,7 @@ def plan(
                                  rich_help_panel=_SETUP)
     ] = None,
     max_cudagraph_capture_size: Annotated[
-        int | None, typer.Option("--max-cudagraph-capture-size", help="Capture vLLM's default sizes up to this.",
+        int | None, typer.Option("--max-cudagraph-capture-size", min=1, help="Capture vLLM's default sizes up to this.",
                                  rich_help_panel=_SETUP)
     ] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs.",
@@ -89,7 +90,7 @@ def plan(
                                   help="vLLM's prefix caching (default: on for CUDA, off on CPU).",
                                   rich_help_panel=_SETUP)
     ] = None,
-    block_size: Annotated[int | None, typer.Option("--block-size", help="vLLM --block-size (it may raise it).",
+    block_size: Annotated[int | None, typer.Option("--block-size", min=1, help="vLLM --block-size (it may raise it).",
                                                    rich_help_panel=_SETUP)] = None,
     reproduce_report: Annotated[
         bool, typer.Option("--reproduce-report", help="Predict the field report's five KV pools on 8x L40 and "
@@ -133,7 +134,10 @@ def plan(
         parse_speculative,
     )
 
+    _check_fractions(gpu_memory_utilization=gpu_memory_utilization, gpu_memory_gib=gpu_memory_gib,
+                     kv_cache_gib=kv_cache_gib)
     spec = load_model_spec(model)
+    _check_model_limits(spec, max_model_len)
     node = cpu_node(kv_cache_gib) if cpu else gpu_node(gpus, num_gpus, gpu_memory_gib, kv_cache_gib)
     setup = ServingSetup(
         tensor_parallel_size=tp or (1 if cpu else node.num_devices),
@@ -158,12 +162,38 @@ def plan(
         raise typer.Exit(1)
 
 
-def _kv_dtype(text: str) -> str:
+def _check_fractions(**values: float | None) -> None:
+    """Typer's ranges are closed and let NaN through: these must be finite and above 0."""
+    import math
+
     from glmctl.errors import UsageError
 
+    for name, value in values.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {value} must be a number above 0"
+                             + (" and at most 1" if name == "gpu_memory_utilization" else ""),
+                             hint="e.g. --gpu-memory-utilization 0.92" if name == "gpu_memory_utilization" else None)
+
+
+def _check_model_limits(spec, max_model_len: int | None) -> None:
+    from glmctl.errors import UsageError
+
+    if max_model_len is not None and max_model_len > spec.max_position_embeddings:
+        raise UsageError(f"--max-model-len {max_model_len:,} is longer than {spec.name} supports "
+                         f"(max_position_embeddings {spec.max_position_embeddings:,})",
+                         hint=f"use --max-model-len {spec.max_position_embeddings:,} or less "
+                              "(serve's preflight refuses it too)")
+
+
+def _kv_dtype(text: str) -> str:
+    from glmctl._cli.completion import kv_cache_dtype_names
+    from glmctl.errors import UsageError
+
+    names = kv_cache_dtype_names()
     value = {"bfloat16": "bf16"}.get(text.strip().lower(), text.strip().lower())
-    if value not in ("auto", "bf16", "fp8", "fp8_ds_mla", "fp8_e4m3"):
-        raise UsageError(f"--kv-cache-dtype '{text}' is not one of auto, bf16, fp8, fp8_ds_mla")
+    if value not in (*names, "fp8_e4m3"):
+        raise UsageError(f"--kv-cache-dtype '{text}' is not one of {', '.join(names)}")
     return "fp8" if value == "fp8_e4m3" else value
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import profile_names
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
 app = typer.Typer(
@@ -14,7 +15,7 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-NameArg = Annotated[str, typer.Argument(help="A profile name (glmctl profile ls) or a YAML file.")]
+NameArg = Annotated[str, typer.Argument(autocompletion=profile_names, help="A profile name (glmctl profile ls) or a YAML file.")]
 ModelPathOpt = Annotated[
     Path | None, typer.Option("--model", "-m", help="Checkpoint directory (overrides the profile's).")
 ]
@@ -52,13 +53,14 @@ def ls(json_: JsonOpt = False, quiet: QuietOpt = False) -> None:
 
 @app.command("show", epilog=examples("glmctl profile show commercial", "glmctl profile show noncommercial --json"))
 def show(name: NameArg, json_: JsonOpt = False) -> None:
-    """Print a profile as glmctl resolves it (`extends` applied, defaults filled in)."""
+    """Print a profile as glmctl resolves it (`extends` applied, defaults filled in; secrets as ***)."""
     from glmctl._cli.output import Output
     from glmctl.serving import profiles
+    from glmctl.serving.render import masked
 
     out = Output.from_flags(json_)
     prof = profiles.load(name)
-    data = prof.model_dump(mode="json")
+    data = masked(prof.model_dump(mode="json"))  # env and vllm_args secrets as ***
 
     def draw(console) -> None:
         import yaml
@@ -76,7 +78,8 @@ def show(name: NameArg, json_: JsonOpt = False) -> None:
 )
 def validate(
     name: NameArg,
-    no_vllm: Annotated[bool, typer.Option("--no-vllm", help="Skip vLLM's own parser (schema and licences only).")] = False,
+    no_vllm: Annotated[bool, typer.Option("--no-vllm", help="Skip vLLM's own parser (schema, licences and "
+                                                             "vLLM 0.30's shipped flag list only).")] = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -123,7 +126,10 @@ def render_cmd(
     port: PortOpt = 8000,
     json_: JsonOpt = False,
 ) -> None:
-    """Render a profile to what vLLM reads: a `vllm serve --config` YAML, an env file, one command."""
+    """Render a profile to what vLLM reads: a `vllm serve --config` YAML, an env file, one command.
+
+    The files in --out stand alone: command.sh runs `vllm serve --config vllm.yaml` from its own directory, so the directory can be copied to another machine (with glmctl installed there, its plugin loads through vLLM's entry point). Printed without --out, secrets show as ***; in --out, vllm.env (and vllm.yaml when it holds a key) is readable by its owner only.
+    """
     from glmctl._cli.output import Output
     from glmctl.serving import profiles, render
 
@@ -145,7 +151,8 @@ def render_cmd(
         out.result(result, draw)
         return
     config, env = Path(render.CONFIG_NAME), Path(render.ENV_NAME)
-    result = {"config": launch.config, "env": launch.env, "command": launch.command(config, env)}
+    result = {"config": render.masked(launch.config), "env": render.masked(launch.env),
+              "command": launch.command(config, env)}
 
     def draw_inline(console) -> None:
         console.print(launch.listing(config, env), markup=False, soft_wrap=True)

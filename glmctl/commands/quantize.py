@@ -66,7 +66,7 @@ def fp8(
              "projections of KDA and MLA layers (listed above).")] = None,
     exclude: Annotated[list[str] | None, typer.Option(
         "--exclude", metavar="GLOB", help="Module-name globs to leave unconverted.")] = None,
-    block: Annotated[int, typer.Option("--block", help="Block edge B: one fp32 scale per BxB block.")] = 128,
+    block: Annotated[int, typer.Option("--block", min=1, help="Block edge B: one fp32 scale per BxB block.")] = 128,
     embeddings: Annotated[bool, typer.Option(
         "--embeddings", help="Also convert embeddings and LM heads (vLLM 0.30 cannot load those in FP8).")] = False,
     resume: Annotated[bool, typer.Option(
@@ -108,7 +108,7 @@ def verify(
         "--reference", metavar="SRC", help="The source checkpoint: adds per-tensor dequantisation error.")] = None,
     min_snr_db: Annotated[float, typer.Option(
         "--min-snr-db", help="Fail when a converted tensor's SNR vs the reference is below this (dB).")] = 25.0,  # = verify.DEFAULT_MIN_SNR_DB
-    top: Annotated[int, typer.Option("--top", help="Rows of worst tensors to show (human mode).")] = 10,
+    top: Annotated[int, typer.Option("--top", min=0, help="Rows of worst tensors to show (human mode).")] = 10,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -133,7 +133,7 @@ verify.epilog = examples(
 def exl3(
     src: SrcArg,
     dst: DstArg,
-    bits: Annotated[int, typer.Option("--bits", help="Bits per weight of the routed experts (2-8).")] = 4,
+    bits: Annotated[int, typer.Option("--bits", min=2, max=8, help="Bits per weight of the routed experts (2-8).")] = 4,
     experts: Annotated[list[str] | None, typer.Option(
         "--experts", metavar="GLOB",
         help="Experts modules to convert, by name (e.g. 'model.layers.[3-9].mlp.experts'; repeat or "
@@ -143,7 +143,7 @@ def exl3(
         help="Text files (comma-separated) run through the model layer by layer for a shared gate/up "
              "Hessian per layer and a per-expert down Hessian, or 'none' for calibration-free.")] = "none",
     calibration_tokens: Annotated[int, typer.Option(
-        "--calibration-tokens", help="Calibration tokens to use (rows of 2048).")] = 131072,
+        "--calibration-tokens", min=1, help="Calibration tokens to use (rows of 2048).")] = 131072,
     tp: Annotated[list[str] | None, typer.Option(
         "--tp", metavar="DEGREES",
         help="Tensor-parallel degrees the output must split at (every slice on 128-element "
@@ -161,11 +161,19 @@ def exl3(
     Needs a CUDA GPU (exllamav3's quantizer) except with --dry-run. Writes one shard per converted MoE layer, the source shards without those experts, and a config.json whose quantization_config (quant_method glmctl_exl3) the glmctl vLLM plugin reads; glmctl-exl3-report.json lists every tensor's proxy error (calibrated) or RMSE (calibration-free).
     """
     from glmctl._cli.output import Output
+    from glmctl.errors import UsageError
     from glmctl.quantize.exl3_convert import convert_exl3
     from glmctl.quantize.exl3_plan import DEFAULT_EXPERTS_GLOB, Exl3Settings, default_tp_degrees
 
     out = Output.from_flags(json_, quiet)
     files = () if calibration.strip().lower() == "none" else _split([calibration])
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:  # refused by the dry run too, before hours of work would find it
+        raise UsageError(f"--calibration: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not a file",
+                         hint="pass text files, comma-separated, or --calibration none")
+    if files and Path(src).is_dir() and not (Path(src) / "tokenizer.json").is_file():
+        raise UsageError(f"--calibration needs the checkpoint's tokenizer, and {src} has no tokenizer.json",
+                         hint="copy the tokenizer files into SRC, or pass --calibration none")
     try:
         degrees = tuple(int(t) for t in _split(tp)) or default_tp_degrees()
     except ValueError:

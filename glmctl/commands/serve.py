@@ -8,11 +8,12 @@ from typing import Annotated
 
 import typer
 
+from glmctl._cli.completion import profile_names
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
 
 def serve(
-    profile: Annotated[str, typer.Option("--profile", "-p", help="Serving profile name (glmctl profile ls) or YAML file.")],
+    profile: Annotated[str, typer.Option("--profile", "-p", autocompletion=profile_names, help="Serving profile name (glmctl profile ls) or YAML file.")],
     model: Annotated[Path | None, typer.Option("--model", "-m", help="Checkpoint directory (overrides the profile's).")] = None,
     drafter: Annotated[Path | None, typer.Option("--drafter", help="Drafter checkpoint directory (DFlash2 profiles).")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
@@ -21,36 +22,43 @@ def serve(
         list[str] | None,
         typer.Option("--accept-license", help="Accept this licence id (repeatable); recorded for later runs."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, config and environment; start nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Run every preflight check a real start runs, print the "
+                                          "command, config and environment; start, write and record nothing.")] = False,
     startup_timeout: Annotated[
         float, typer.Option("--startup-timeout", min=0, help="Seconds to wait for /health (0: no limit).")
     ] = 3600,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Start vLLM with a serving profile after checking everything it needs; Ctrl-C stops it."""
+    """Start vLLM with a serving profile after checking everything it needs; Ctrl-C stops it.
+
+    The preflight, the same for --dry-run: licences, checkpoint files and format, the port, vLLM and glmctl's plugin importable and vLLM's parser accepting the config, the GPUs, and the planned KV capacity. Exit 2 when the command or profile must change, 1 when the node lacks something, else vLLM's own exit status.
+    """
     from glmctl._cli.output import Output
     from glmctl.serving import license_gate
+    from glmctl.serving import server as srv
 
     out = Output.from_flags(json_, quiet)
     accept = accept_license or []
     license_gate.check_accept_ids(accept)
-    if dry_run:
-        _dry_run(out, profile, model, drafter, host, port)
-        return
-
-    from glmctl.serving import server as srv
-
-    confirm = _terminal_confirm(out) if sys.stdin.isatty() and out.human else None
+    confirm = _terminal_confirm(out) if sys.stdin.isatty() and out.human and not dry_run else None
     out.note(f"preflight for profile '{profile}' ...")
     held: list = []  # the server, once prepared: the log echo asks whether it is up and not stopping
     server = srv.prepare(profile, model=model, drafter=drafter, host=host, port=port, accept=accept,
-                         confirm=confirm, on_line=_error_echo(out, held))
+                         confirm=confirm, on_line=_error_echo(out, held), record=not dry_run)
     held.append(server)
     for line in server.report.passed:
-        out.note(f"  ok  {_escape(line)}")
+        out.note(f"  ok  {line}")
     for line in server.report.warnings:
-        out.warn(_escape(line))
+        out.warn(line)
+    for lic in server.report.gate.recorded if server.report.gate else []:
+        if lic.id in getattr(confirm, "shown", ()):
+            out.note(f"licence {lic.id} accepted and recorded")
+        else:  # accepted by flag or environment: the operator still sees what was agreed to
+            _print_notice(out, lic, "accepted and recorded")
+    if dry_run:
+        _dry_run(out, server)
+        return
     out.note(f"starting vLLM (log: {server.run_dir / srv.LOG_NAME})")
     with _progress(out) as progress:
 
@@ -85,45 +93,49 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def _dry_run(out, profile: str, model, drafter, host: str, port: int) -> None:
+def _dry_run(out, server) -> None:
     from glmctl.hub.licenses import describe
-    from glmctl.serving import profiles, render, server
+    from glmctl.serving import render
 
-    prof = render.with_paths(profiles.load(profile), model=model, drafter=drafter)
-    launch = render.render(prof, host=host, port=port)
-    run_dir = server.run_dir_for(prof, port)
+    launch, run_dir = server.launch, server.run_dir
     config, env = run_dir / render.CONFIG_NAME, run_dir / render.ENV_NAME
     result = {
-        "profile": prof.name,
+        "profile": launch.profile.name,
         "command": launch.command(config, env),
         "argv": launch.argv(config),
-        "config": launch.config,
-        "env": launch.env,
+        "config": render.masked(launch.config),
+        "env": render.masked(launch.env),
         "licenses": [describe(lic) for lic in launch.notices],
-        "advisories": prof.advisories(),
+        "advisories": launch.profile.advisories(),
+        "preflight": {"passed": server.report.passed, "warnings": server.report.warnings},
     }
 
     def draw(console) -> None:
-        console.print(f"# dry run: nothing was started or written; glmctl would write {run_dir}/", markup=False, soft_wrap=True)
+        console.print(f"# dry run: every preflight check passed; nothing was started, written or recorded; "
+                      f"glmctl would write {run_dir}/", markup=False, soft_wrap=True)
         console.print(launch.listing(config, env), markup=False, soft_wrap=True)
-        for note in prof.advisories():
-            out.warn(_escape(note))
 
     out.result(result, draw)
+
+
+def _print_notice(out, lic, what: str) -> None:
+    out.note(f"licence {lic.id} {what}: {lic.name}")
+    out.note(lic.notice.strip())
+    if lic.url:
+        out.note(f"licence text: {lic.url}")
+    out.note("obligations: " + "; ".join(lic.obligations))
 
 
 def _terminal_confirm(out):
     """Ask on the terminal (only ever called when stdin is one): the operator types the id."""
 
     def confirm(lic) -> bool:
-        out.note(f"[bold]{_escape(lic.name)}[/bold]")
-        out.note(_escape(lic.notice.strip()))
-        if lic.url:
-            out.note(f"licence text: {lic.url}")
-        out.note("obligations: " + _escape("; ".join(lic.obligations)))
+        _print_notice(out, lic, "needs your acceptance")
+        confirm.shown.add(lic.id)
         answer = input(f"Type the licence id ({lic.id}) to accept it, anything else to stop: ")
         return answer.strip() == lic.id
 
+    confirm.shown = set()
     return confirm
 
 

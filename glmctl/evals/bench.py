@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from glmctl.errors import UsageError
+from glmctl.errors import GlmctlError, UsageError
 from glmctl.evals.bench_drive import DriveResult, drive
 from glmctl.evals.client import OpenAIServer
 from glmctl.evals.corpus import SourceText
@@ -97,6 +97,32 @@ class BenchResult(BaseModel):
     method: str = ("steady decode = rate of vllm:generation_tokens_total over the longest span with all "
                    "sessions running, none waiting, every first token received and none finished, and the "
                    "prompt and preemption counters unchanged")
+
+
+class BenchFailed(GlmctlError):
+    """Sessions failed, or no cell measured steady decode: nothing is written."""
+
+
+def failed_sessions(cell: BenchCell) -> list[SessionResult]:
+    """Sessions that errored or never received a token: a cell with any measured nothing sound."""
+    return [d for d in cell.sessions_detail if d.error or d.ttft_s is None]
+
+
+def check_cell(cell: BenchCell) -> None:
+    failed = failed_sessions(cell)
+    if not failed:
+        return
+    first = failed[0]
+    why = first.error or "no token received (the stream ended empty)"
+    raise BenchFailed(
+        f"{len(failed)} of {cell.sessions} session(s) failed at {cell.context_tokens:,} prompt tokens "
+        f"(session {first.index + 1}: {why}); no result was written",
+        hint="the server's log says why it refused or dropped them" if "HTTP" in why
+        else "check the server's log; a slow server needs a larger --timeout")
+
+
+def unmeasured_cells(result: BenchResult) -> list[BenchCell]:
+    return [c for c in result.cells if c.steady is None]
 
 
 def parse_counts(spec: str, what: str) -> list[int]:
@@ -297,6 +323,12 @@ def run_bench(server: OpenAIServer, tokenizer: Tokenizer, prompts: PromptSource,
         for context in contexts:
             if on_cell:
                 on_cell(n, context)
-            result.cells.append(run_cell(server, prompts, sessions=n, context=context, output_tokens=output_tokens,
-                                         poll_interval=poll_interval, on_tokens=on_tokens))
+            cell = run_cell(server, prompts, sessions=n, context=context, output_tokens=output_tokens,
+                            poll_interval=poll_interval, on_tokens=on_tokens)
+            check_cell(cell)  # a failed session makes every later number suspect: stop here
+            result.cells.append(cell)
+    if len(unmeasured_cells(result)) == len(result.cells):
+        reasons = "; ".join(f"{c.sessions} x {c.context_tokens:,}: {c.no_steady_reason}" for c in result.cells)
+        raise BenchFailed(f"no cell measured steady decode ({reasons}); no result was written",
+                          hint="follow the reason given for each cell")
     return result

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from glmctl.evals.client import ServerError, ServerUnreachable
+from glmctl.evals.client import AuthError, ServerError, ServerUnreachable
 from glmctl.evals.metrics import MetricsSample, parse_metrics
+from glmctl.evals.transport import CONNECT_TIMEOUT_S, Deadline, auth_hint
 
 
 @dataclass
@@ -33,6 +34,7 @@ class SessionTrace:
     usage_completion_tokens: int | None = None  # the server's own count, from the final usage chunk
     finish_reason: str | None = None
     error: str | None = None
+    status: int | None = None  # the HTTP status of a refused request
 
     def tokens_between(self, t0: float, t1: float) -> int:
         return sum(n for t, n in self.arrivals if t0 < t <= t1)
@@ -46,47 +48,70 @@ class DriveResult:
 
 
 async def _session(client: httpx.AsyncClient, trace: SessionTrace, payload: dict, t0: float,
-                   on_tokens: Callable[[int], None] | None) -> None:
+                   on_tokens: Callable[[int], None] | None, timeout: float | None) -> None:
+    """One streamed session; every failure ends up in `trace.error` (the cell reports it)."""
     trace.sent_at = time.monotonic() - t0
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as response:
-            if response.status_code >= 400:
-                body = (await response.aread()).decode(errors="replace")[:400]
-                trace.error = f"HTTP {response.status_code}: {body}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.monotonic() - t0
-                chunk = json.loads(data)
-                if chunk.get("usage") and not chunk.get("choices"):
-                    trace.usage_completion_tokens = chunk["usage"].get("completion_tokens")
-                    continue
-                for choice in chunk.get("choices") or []:
-                    ids = choice.get("token_ids")
-                    n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
-                    if n:
-                        trace.first_token_at = trace.first_token_at if trace.first_token_at is not None else now
-                        trace.arrivals.append((now, n))
-                        trace.output_tokens += n
-                        if on_tokens:
-                            on_tokens(n)
-                    if choice.get("finish_reason"):
-                        trace.finish_reason = choice["finish_reason"]
+        await asyncio.wait_for(_stream(client, trace, payload, t0, on_tokens), timeout)
+    except TimeoutError:
+        trace.error = f"did not finish within --timeout {timeout:g} s (the whole stream)"
     except httpx.HTTPError as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
     finally:
         trace.done_at = time.monotonic() - t0
 
 
+async def _stream(client: httpx.AsyncClient, trace: SessionTrace, payload: dict, t0: float,
+                  on_tokens: Callable[[int], None] | None) -> None:
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        if response.status_code >= 400:
+            body = (await response.aread()).decode(errors="replace")[:400]
+            trace.error = f"HTTP {response.status_code}: {body}"
+            trace.status = response.status_code
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.monotonic() - t0
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                trace.error = f"the stream carried something that is not JSON: {data[:80]!r}"
+                return
+            if not isinstance(chunk, dict):
+                trace.error = f"the stream carried {type(chunk).__name__}, not a completion chunk"
+                return
+            if chunk.get("usage") and not chunk.get("choices"):
+                usage = chunk["usage"]
+                count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+                trace.usage_completion_tokens = count if isinstance(count, int) else None
+                continue
+            for choice in chunk.get("choices") or []:
+                if not isinstance(choice, dict):
+                    continue
+                ids = choice.get("token_ids")
+                n = len(ids) if isinstance(ids, list) else (1 if choice.get("text") else 0)
+                if n:
+                    trace.first_token_at = trace.first_token_at if trace.first_token_at is not None else now
+                    trace.arrivals.append((now, n))
+                    trace.output_tokens += n
+                    if on_tokens:
+                        on_tokens(n)
+                if choice.get("finish_reason"):
+                    trace.finish_reason = choice["finish_reason"]
+
+
 async def _poll(client: httpx.AsyncClient, model: str, interval: float, t0: float, stop: asyncio.Event,
-                samples: list[MetricsSample]) -> None:
+                samples: list[MetricsSample], timeout: float) -> None:
     while True:
         sent = time.monotonic()
-        response = await client.get("/metrics")
+        try:
+            response = await asyncio.wait_for(client.get("/metrics"), timeout)
+        except TimeoutError as exc:
+            raise ServerUnreachable(f"/metrics did not answer within {timeout:g} s during the bench") from exc
         mid = (sent + time.monotonic()) / 2 - t0
         if response.status_code >= 400:
             raise ServerError(f"/metrics answered HTTP {response.status_code} during the bench")
@@ -100,21 +125,25 @@ async def _poll(client: httpx.AsyncClient, model: str, interval: float, t0: floa
 
 
 async def _drive(base_url: str, headers: dict, model: str, prompts: list[list[int]], output_tokens: int,
-                 poll_interval: float, timeout: float, on_tokens: Callable[[int], None] | None) -> DriveResult:
+                 poll_interval: float, timeout: float | None, deadline: Deadline,
+                 on_tokens: Callable[[int], None] | None, api_key=None) -> DriveResult:
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    connect = CONNECT_TIMEOUT_S if timeout is None else min(CONNECT_TIMEOUT_S, timeout)
+    session_limit, by_deadline = deadline.cut(timeout)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout, connect=10.0)) as client:
+                                 timeout=httpx.Timeout(timeout, connect=connect)) as client:
         t0 = time.monotonic()
         samples: list[MetricsSample] = []
         stop = asyncio.Event()
-        poller = asyncio.create_task(_poll(client, model, poll_interval, t0, stop, samples))
+        scrape_limit = min(30.0, timeout or 30.0)
+        poller = asyncio.create_task(_poll(client, model, poll_interval, t0, stop, samples, scrape_limit))
         traces = [SessionTrace(index=i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
         sessions = [
             asyncio.create_task(_session(client, trace, {
                 "model": model, "prompt": prompt, "max_tokens": output_tokens, "min_tokens": output_tokens,
                 "ignore_eos": True, "temperature": 0.0, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True},
-            }, t0, on_tokens))
+            }, t0, on_tokens, session_limit))
             for trace, prompt in zip(traces, prompts, strict=True)
         ]
         try:
@@ -125,11 +154,19 @@ async def _drive(base_url: str, headers: dict, model: str, prompts: list[list[in
                 await poller
             except httpx.HTTPError as exc:
                 raise ServerUnreachable(f"scraping {base_url}/metrics failed during the bench: {exc}") from exc
+        if by_deadline and any(t.error and t.error.startswith("did not finish") for t in traces):
+            raise deadline.exceeded(f"{len(prompts)} session(s) still streaming")
+        refused = [t.status for t in traces if t.status in (401, 403)]
+        if refused:
+            raise AuthError(f"{base_url}/v1/completions answered HTTP {refused[0]} to the bench's sessions",
+                            hint=auth_hint(api_key))
         return DriveResult(traces, samples, t0)
 
 
 def drive(server, prompts: list[list[int]], output_tokens: int, *, poll_interval: float = 0.5,
           on_tokens: Callable[[int], None] | None = None) -> DriveResult:
-    """Run the sessions to completion (blocking); see the module doc."""
+    """Run the sessions to completion (blocking); see the module doc. Each session's whole stream
+    is bounded by the server's request timeout, and all of them by its deadline."""
     return asyncio.run(_drive(server.base_url, server.headers, server.model_id, prompts, output_tokens,
-                              poll_interval, server.timeout.read or 3600.0, on_tokens))
+                              poll_interval, server.request_timeout, server.deadline, on_tokens,
+                              server.api_key))

@@ -12,17 +12,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+from glmctl.errors import UsageError
+from glmctl.evals.transport import (
+    ApiKey,
+    AuthError,
+    Deadline,
+    ServerError,
+    ServerUnreachable,
+    Transport,
+    auth_hint,
+)
 
-from glmctl.errors import GlmctlError, UsageError
+__all__ = ["ApiKey", "AuthError", "ContextTooLong", "ModelMismatch", "OpenAIServer", "ServerError",
+           "ServerUnreachable"]
 
-
-class ServerUnreachable(GlmctlError):
-    """Nothing answers at the URL (refused, timed out, DNS)."""
-
-
-class ServerError(GlmctlError):
-    """The server answered, but not with what an OpenAI-compatible (vLLM) server would."""
+# Discovery and scraping answer in milliseconds on a healthy server; they never wait the whole
+# --timeout that a long prefill may need.
+QUICK_TIMEOUT_S = 30.0
 
 
 class ModelMismatch(UsageError):
@@ -59,7 +65,7 @@ def normalize_base_url(url: str) -> str:
     return url
 
 
-def _error_detail(response: httpx.Response) -> str:
+def _error_detail(response) -> str:
     try:
         body = response.json()
     except ValueError:
@@ -79,14 +85,16 @@ class OpenAIServer:
     `connect()` (or use the server through `glmctl.evals.target.open_server`) before anything else.
     """
 
-    def __init__(self, base_url: str, model: str | None = None, *, timeout: float = 600.0,
-                 api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, model: str | None = None, *, timeout: float | None = 600.0,
+                 api_key: ApiKey | str | None = None, deadline: Deadline | None = None) -> None:
         self.base_url = normalize_base_url(base_url)
         self.requested_model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout = httpx.Timeout(timeout, connect=10.0)
-        self.headers = headers
-        self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout, headers=headers)
+        self.api_key = ApiKey(api_key, "--api-key") if isinstance(api_key, str) else api_key
+        self.headers = {"Authorization": f"Bearer {self.api_key.value}"} if self.api_key else {}
+        self.request_timeout = timeout
+        """Seconds one request may take in all (connect and every byte of the answer)."""
+        self.deadline = deadline or Deadline(None)
+        self._http = Transport(self.base_url, timeout=timeout, headers=self.headers, deadline=self.deadline)
         self.model: ServedModel | None = None
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -100,25 +108,19 @@ class OpenAIServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, json: Any = None) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, json=json)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise ServerUnreachable(
-                f"no server answers at {self.base_url} ({type(exc).__name__}: {exc})",
-                hint="start one (glmctl serve --profile NAME) or pass the right --url",
-            ) from exc
-        except httpx.TimeoutException as exc:
-            raise ServerUnreachable(
-                f"{self.base_url}{path} did not answer within {self.timeout.read:.0f} s",
-                hint="the server may be overloaded or stuck; check its log",
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise ServerUnreachable(f"talking to {self.base_url}{path} failed: {exc}") from exc
+    def _request(self, method: str, path: str, json: Any = None, *, quick: bool = False):
+        timeout = self.request_timeout
+        if quick:
+            timeout = QUICK_TIMEOUT_S if timeout is None else min(timeout, QUICK_TIMEOUT_S)
+        response = self._http.request(method, path, json, timeout=timeout)
+        if response.status_code in (401, 403):
+            raise AuthError(f"{self.base_url}{path} answered HTTP {response.status_code} "
+                            f"({'no API key was sent' if self.api_key is None else 'API key refused'})",
+                            hint=auth_hint(self.api_key))
         return response
 
-    def _json(self, method: str, path: str, json: Any = None, *, what: str) -> Any:
-        response = self._request(method, path, json)
+    def _json(self, method: str, path: str, json: Any = None, *, what: str, quick: bool = False) -> Any:
+        response = self._request(method, path, json, quick=quick)
         if response.status_code == 404:
             raise ServerError(
                 f"{self.base_url} has no {path} endpoint (HTTP 404), needed for {what}",
@@ -132,7 +134,8 @@ class OpenAIServer:
         try:
             return response.json()
         except ValueError as exc:
-            raise ServerError(f"{self.base_url}{path} answered with something that is not JSON") from exc
+            raise ServerError(f"{self.base_url}{path} answered with something that is not JSON "
+                              f"({what}): {response.text[:120]!r}") from exc
 
     @property
     def model_id(self) -> str:
@@ -147,12 +150,13 @@ class OpenAIServer:
     # -- discovery --------------------------------------------------------------------------
 
     def models(self) -> list[ServedModel]:
-        body = self._json("GET", "/v1/models", what="listing the served models")
+        body = self._json("GET", "/v1/models", what="listing the served models", quick=True)
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise ServerError(f"{self.base_url}/v1/models did not return a model list")
         return [
-            ServedModel(id=str(card["id"]), max_model_len=card.get("max_model_len"), root=card.get("root"))
+            ServedModel(id=str(card["id"]), max_model_len=_positive_int(card.get("max_model_len")),
+                        root=card.get("root") if isinstance(card.get("root"), str) else None)
             for card in data
             if isinstance(card, dict) and "id" in card
         ]
@@ -199,7 +203,7 @@ class OpenAIServer:
             {"model": self.model_id, "prompt": text, "add_special_tokens": add_special_tokens},
             what="tokenizing with the server's tokenizer",
         )
-        return [int(t) for t in body["tokens"]]
+        return self._token_ids(body, "/tokenize")
 
     def tokenize_chat(self, messages: list[dict], *, template_kwargs: dict | None = None) -> list[int]:
         """The token IDs the server's chat template makes of `messages` (with the generation prompt)."""
@@ -207,12 +211,22 @@ class OpenAIServer:
         if template_kwargs:
             payload["chat_template_kwargs"] = template_kwargs
         body = self._json("POST", "/tokenize", payload, what="rendering the chat template")
-        return [int(t) for t in body["tokens"]]
+        return self._token_ids(body, "/tokenize")
+
+    def _token_ids(self, body: Any, path: str) -> list[int]:
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ServerError(f"{self.base_url}{path} answered without a `tokens` list of token IDs",
+                              hint="glmctl reads vLLM's /tokenize; pass --tokenizer DIR for other servers")
+        return tokens
 
     def detokenize(self, ids: list[int]) -> str:
         body = self._json("POST", "/detokenize", {"model": self.model_id, "tokens": list(ids)},
                           what="detokenizing with the server's tokenizer")
-        return str(body["prompt"])
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ServerError(f"{self.base_url}/detokenize answered without a `prompt` string")
+        return text
 
     # -- scoring and generation -------------------------------------------------------------
 
@@ -248,11 +262,9 @@ class OpenAIServer:
             if item is None:
                 raise ServerError(
                     f"the server scored a different token than was sent at position {pos} "
-                    f"(sent {token}, got {sorted(entry)[:3] if isinstance(entry, dict) else entry})"
+                    f"(sent {token}, got {sorted(map(str, entry))[:3] if isinstance(entry, dict) else entry})"
                 )
-            value = float(item["logprob"] if isinstance(item, dict) else item)
-            # vLLM clamps -inf to -9999 in some paths; either way it is a token the model rules out.
-            out.append(value if math.isfinite(value) else -9999.0)
+            out.append(self._logprob(item, pos, token))
         return out
 
     def prompt_top_logprobs(self, ids: list[int], top_k: int) -> list[dict[int, tuple[float, int]] | None]:
@@ -290,6 +302,27 @@ class OpenAIServer:
             out.append(parsed)
         return out
 
+    def _logprob(self, item: Any, pos: int, token: int) -> float:
+        value = item.get("logprob") if isinstance(item, dict) else item
+        try:
+            value = float(value)
+        except (TypeError, ValueError) as exc:
+            raise ServerError(f"{self.base_url} returned a log-probability that is not a number at "
+                              f"position {pos}: {value!r}") from exc
+        # vLLM clamps -inf to -9999; either is a token the model rules out, and NaN is a broken
+        # forward pass: no perplexity can be computed from either, so none is reported.
+        if math.isnan(value) or value > 1e-6:
+            raise ServerError(f"{self.base_url} returned log p = {value} for token {token} at position {pos}: "
+                              "the model's output is broken (NaN or above 0)",
+                              hint="check the server's log and the checkpoint (glmctl quantize verify, "
+                                   "glmctl fetch --verify)")
+        if value <= -9999.0:
+            raise ServerError(f"{self.base_url} gave token {token} at position {pos} log p = {value} (ruled "
+                              "out: vLLM clamps -inf to -9999): the perplexity is unbounded",
+                              hint="the model cannot have written this text; check the checkpoint and the "
+                                   "tokenizer the server uses")
+        return value
+
     def complete(self, prompt: str | list[int], *, max_tokens: int, extra: dict | None = None) -> Answer:
         payload = {"model": self.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                    **(extra or {})}
@@ -306,7 +339,7 @@ class OpenAIServer:
         return _answer(body, chat=True)
 
     def metrics_text(self) -> str:
-        response = self._request("GET", "/metrics")
+        response = self._request("GET", "/metrics", quick=True)
         if response.status_code >= 400:
             raise ServerError(
                 f"{self.base_url}/metrics answered HTTP {response.status_code}",
@@ -315,15 +348,21 @@ class OpenAIServer:
         return response.text
 
 
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _answer(body: Any, *, chat: bool) -> Answer:
-    try:
-        choice = body["choices"][0]
-        message = choice["message"] if chat else {}
-        text = message.get("content") if chat else choice["text"]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ServerError("the server's answer has no choices[0]") from exc
-    usage = body.get("usage") or {}
-    reasoning = message.get("reasoning_content") or message.get("reasoning") if chat else None
-    return Answer(text=text or "", completion_tokens=usage.get("completion_tokens"),
-                  finish_reason=choice.get("finish_reason"), reasoning=reasoning,
-                  prompt_tokens=usage.get("prompt_tokens"))
+    choices = body.get("choices") if isinstance(body, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if chat and isinstance(choice, dict) else {}
+    text = message.get("content") if chat and isinstance(message, dict) else \
+        choice.get("text") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or not isinstance(message, dict) or not isinstance(text, str | None):
+        raise ServerError("the server's answer has no choices[0]" + (".message" if chat else ".text"),
+                          hint="glmctl's checks need an OpenAI-compatible (vLLM) server")
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    reasoning = (message.get("reasoning_content") or message.get("reasoning")) if chat else None
+    return Answer(text=text or "", completion_tokens=_positive_int(usage.get("completion_tokens")),
+                  finish_reason=choice.get("finish_reason"), reasoning=reasoning if isinstance(reasoning, str) else None,
+                  prompt_tokens=_positive_int(usage.get("prompt_tokens")))

@@ -11,6 +11,10 @@ with vLLM's metric names. Its "model" is arithmetic, so tests can compute the ex
 - answers: the value of the needle the question asks about (or "I do not know" with retrieve=False);
 - engine: one prefill at a time at `prefill_tok_s` (prompt tokens counted when a prefill ends, as
   vLLM does), then `decode_tok_s` tokens per second per request; `max_num_seqs` running at most.
+
+Misbehaviour for tests of every failure path: `faults` maps a path (or "stream", the streamed
+completions the bench sends) to one of FAULTS; `api_key` makes every endpoint but /health answer
+401 without that bearer token, as `vllm serve --api-key` does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ from typing import Any
 
 SPECIALS = {1: "<|endoftext|>", 2: "<|bos|>", 3: "<|user|>", 4: "<|assistant|>"}
 OFFSET = 16
+
+FAULTS = {
+    "500": "HTTP 500 with vLLM's error body",
+    "garbage": "HTTP 200 with a body that is not JSON (or not Prometheus text)",
+    "missing": "HTTP 200 with an empty JSON object: every expected field missing",
+    "hang": "accept the request and never answer",
+    "trickle": "send headers, then one byte of the body every `trickle_s` seconds",
+    "nan": "prompt log-probabilities of NaN (or NaN counters in /metrics)",
+    "clamped": "prompt log-probabilities of -9999 (vLLM's clamp of -inf)",
+    "half": "every second request answers HTTP 500 (streams: every second session)",
+    "empty": "a stream that ends without a token",
+}
 
 
 def encode(text: str) -> list[int]:
@@ -41,7 +57,8 @@ def logprob(prev: int, token: int) -> float:
 class FakeEngine:
     def __init__(self, *, model: str = "fake-model", max_model_len: int = 8192, decode_tok_s: float = 400.0,
                  prefill_tok_s: float = 50_000.0, max_num_seqs: int = 64, retrieve: bool = True,
-                 logprob_shift: float = 0.0) -> None:
+                 logprob_shift: float = 0.0, faults: dict[str, str] | None = None,
+                 api_key: str | None = None, trickle_s: float = 0.5, hang_s: float = 120.0) -> None:
         self.model, self.max_model_len = model, max_model_len
         self.decode_tok_s, self.prefill_tok_s = decode_tok_s, prefill_tok_s
         self.max_num_seqs, self.retrieve, self.logprob_shift = max_num_seqs, retrieve, logprob_shift
@@ -52,14 +69,23 @@ class FakeEngine:
         self.running = 0
         self.waiting = 0
         self.requests: list[dict] = []  # every JSON body received, for tests to inspect
+        self.faults = dict(faults or {})
+        unknown = set(self.faults.values()) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS)}")
+        self.api_key, self.trickle_s, self.hang_s = api_key, trickle_s, hang_s
+        self.seen: dict[str, int] = {}  # requests per fault key, for "half"
 
     # -- the "model" ------------------------------------------------------------------------
 
     def prompt_logprobs(self, ids: list[int]) -> list[dict | None]:
+        fault = self.faults.get("/v1/completions")
         out: list[dict | None] = [None]
         for prev, tok in zip(ids, ids[1:], strict=False):
-            out.append({str(tok): {"logprob": logprob(prev, tok) - self.logprob_shift, "rank": 1,
-                                   "decoded_token": decode([tok])}})
+            value = logprob(prev, tok) - self.logprob_shift
+            if fault in ("nan", "clamped") and len(out) == len(ids) // 2:
+                value = float("nan") if fault == "nan" else -9999.0
+            out.append({str(tok): {"logprob": value, "rank": 1, "decoded_token": decode([tok])}})
         return out
 
     def prompt_top_logprobs(self, ids: list[int], top_k: int) -> list[dict | None]:
@@ -114,6 +140,8 @@ class FakeEngine:
             for name, value in (("vllm:num_requests_running", self.running),
                                 ("vllm:num_requests_waiting", self.waiting),
                                 ("vllm:kv_cache_usage_perc", min(1.0, self.running / self.max_num_seqs))):
+                if self.faults.get("/metrics") == "nan":
+                    value = float("nan")
                 lines += [f"# HELP {name} fake", f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"]
         return "\n".join(lines) + "\n"
 
@@ -135,8 +163,47 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, message: str, code: int = 400) -> None:
         self._send(code, {"error": {"message": message, "type": "BadRequestError", "code": code}})
 
+    def _misbehave(self, key: str) -> bool:
+        """Apply the fault configured for `key`; True when the request is answered (or dropped)."""
+        e = self.engine
+        if e.api_key is not None and self.path != "/health" and \
+                self.headers.get("Authorization") != f"Bearer {e.api_key}":
+            self._send(401, {"error": "Unauthorized"})
+            return True
+        fault = e.faults.get(key)
+        with e.lock:
+            e.seen[key] = n = e.seen.get(key, 0) + 1
+        if fault == "500" or (fault == "half" and n % 2 == 0):
+            self._error("EngineCore encountered an issue", 500)
+        elif fault == "garbage":
+            self._send(200, "<html><body>502 Bad Gateway</body></html>\n# TYPE {{{", "text/html")
+        elif fault == "missing":
+            self._send(200, {})
+        elif fault == "hang":
+            time.sleep(e.hang_s)
+            self.close_connection = True
+        elif fault == "trickle":
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            end = time.monotonic() + e.hang_s
+            try:
+                while time.monotonic() < end:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(e.trickle_s)
+            except OSError:
+                pass  # the client gave up: what a deadline is for
+            self.close_connection = True
+        else:
+            return False
+        return True
+
     def do_GET(self) -> None:
         e = self.engine
+        if self._misbehave(self.path):
+            return
         if self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [
                 {"id": e.model, "object": "model", "root": "/fake/" + e.model, "max_model_len": e.max_model_len}]})
@@ -151,6 +218,9 @@ class _Handler(BaseHTTPRequestHandler):
         e = self.engine
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         e.requests.append({"path": self.path, **body})
+        stream_fault = body.get("stream") and "stream" in e.faults
+        if self._misbehave("stream" if stream_fault else self.path):
+            return
         if body.get("model") not in (None, e.model):
             return self._error(f"The model `{body.get('model')}` does not exist.", 404)
         if self.path == "/tokenize":
@@ -196,6 +266,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
+        if self.engine.faults.get("stream") == "empty":
+            max_tokens = 0
         for i in self.engine.generate(len(ids), max_tokens):
             last = i == max_tokens - 1
             choice = {"index": 0, "text": "x", "finish_reason": "length" if last else None}

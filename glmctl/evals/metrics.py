@@ -19,6 +19,7 @@ has received its first token and none has received its last.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -49,15 +50,21 @@ def parse_metrics(text: str, model: str | None = None, t: float = 0.0) -> Metric
     """One sample from a /metrics text; series of other models (`model_name` label) are skipped."""
     sums: dict[str, float] = {}
     kv: list[float] = []
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if model is not None and s.labels.get("model_name", model) != model:
-                continue
-            base = s.name[: -len("_total")] if s.name.endswith("_total") else s.name
-            if base in (GENERATION, PROMPT, PREEMPTIONS, RUNNING, WAITING) and not s.name.endswith("_created"):
-                sums[base] = sums.get(base, 0.0) + float(s.value)
-            elif s.name == KV_USAGE:
-                kv.append(float(s.value))
+    try:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ServerError(f"/metrics is not Prometheus text ({exc})",
+                          hint="bench reads vLLM's Prometheus counters; is this a vLLM server?") from exc
+    for s in samples:
+        if model is not None and s.labels.get("model_name", model) != model:
+            continue
+        base = s.name[: -len("_total")] if s.name.endswith("_total") else s.name
+        if base in (GENERATION, PROMPT, PREEMPTIONS, RUNNING, WAITING, KV_USAGE) and not math.isfinite(s.value):
+            raise ServerError(f"/metrics reports {s.name} = {s.value}: the server's counters are broken")
+        if base in (GENERATION, PROMPT, PREEMPTIONS, RUNNING, WAITING) and not s.name.endswith("_created"):
+            sums[base] = sums.get(base, 0.0) + float(s.value)
+        elif s.name == KV_USAGE:
+            kv.append(float(s.value))
     if GENERATION not in sums:
         raise ServerError(f"/metrics has no {GENERATION}_total counter"
                           + (f" for model {model!r}" if model else ""),

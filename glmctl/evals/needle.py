@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from glmctl.errors import UsageError
+from glmctl.evals.client import ServerError
 from glmctl.evals.corpus import SourceText
 from glmctl.evals.tokenizer import Tokenizer
 
@@ -170,7 +171,10 @@ def locate(tokenizer: Tokenizer, ids: list[int], recipe: CellRecipe) -> tuple[in
     needle_at = rendered.find(recipe.needle.line.rstrip("\n"))
     hay_end = rendered.find(QUESTION.format(key=recipe.needle.key))
     if min(hay_start - len(INTRO), needle_at, hay_end) < 0:
-        raise AssertionError("the rendered prompt does not contain the haystack and the needle")
+        raise ServerError("the tokenizer does not give back the prompt it was given: decoding the encoded "
+                          "needle prompt lost its haystack, needle or question",
+                          hint="the server's /tokenize and /detokenize disagree; pass --tokenizer DIR (the "
+                               "checkpoint's own tokenizer)")
     return tuple(first_token_covering(tokenizer, ids, c, memo) for c in (hay_start, hay_end, needle_at))  # type: ignore[return-value]
 
 

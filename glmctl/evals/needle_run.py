@@ -197,31 +197,37 @@ def run_grid(server: OpenAIServer, tokenizer: Tokenizer, source: SourceText, *, 
                          hint="pass another --out, or --restart to start that file over")
     cells = [(length, depth) for length in lengths for depth in depths]
     todo = [c for c in cells if c not in done]
-    if not dry_run and header is None:
+    started_file = not dry_run and header is None
+    if started_file:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("", encoding="utf-8")  # --restart, or a new file: start it with the header
         _append(out, settings)
     elif not dry_run:
         drop_cut_tail(out)
-    stream = nd.HaystackStream(source, tokenizer)
-    if todo:
-        stream.ensure_tokens(max(length for length, _ in todo))
     finished: dict[tuple[int, float], CellSummary] = {k: summarize(v) for k, v in done.items() if k in cells}
-    if on_cell:
-        on_cell(None, len(finished), len(cells))
-    for length, depth in todo:
-        recipe, layout = nd.plan_cell(length, depth, seed=seed, kind=kind, api=api, distractors=distractors,
-                                      template_kwargs=template_kwargs, max_answer_tokens=max_answer_tokens,
-                                      stream=stream, tokenizer=tokenizer)
-        if dry_run:
-            result = CellResult(recipe=recipe, layout=layout, answer="", correct=False, distractor=False,
-                                seconds=0.0)
-        else:
-            result = _ask(server, tokenizer, source, recipe, layout)
-            _append(out, result)
-        finished[(length, depth)] = summarize(result)
+    try:
+        stream = nd.HaystackStream(source, tokenizer)
+        if todo:
+            stream.ensure_tokens(max(length for length, _ in todo))
         if on_cell:
-            on_cell(finished[(length, depth)], len(finished), len(cells))
+            on_cell(None, len(finished), len(cells))
+        for length, depth in todo:
+            recipe, layout = nd.plan_cell(length, depth, seed=seed, kind=kind, api=api, distractors=distractors,
+                                          template_kwargs=template_kwargs, max_answer_tokens=max_answer_tokens,
+                                          stream=stream, tokenizer=tokenizer)
+            if dry_run:
+                result = CellResult(recipe=recipe, layout=layout, answer="", correct=False, distractor=False,
+                                    seconds=0.0)
+            else:
+                result = _ask(server, tokenizer, source, recipe, layout)
+                _append(out, result)
+            finished[(length, depth)] = summarize(result)
+            if on_cell:
+                on_cell(finished[(length, depth)], len(finished), len(cells))
+    except BaseException:
+        if started_file and len(finished) == 0:
+            out.unlink(missing_ok=True)  # a header without a cell is no result: leave none behind
+        raise
     ordered = [finished[c] for c in cells]
     return NeedleReport(
         results_file=str(out), settings=header or settings, lengths=lengths, depths=depths, cells=ordered,

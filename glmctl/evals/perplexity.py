@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from glmctl.errors import UsageError
 from glmctl.evals import stats
-from glmctl.evals.client import OpenAIServer
+from glmctl.evals.client import OpenAIServer, ServerError
 from glmctl.evals.corpus import SourceText
 from glmctl.evals.results import SCHEMA_VERSION, ServerInfo, now, server_info
 from glmctl.evals.tokenizer import Tokenizer
@@ -179,8 +179,10 @@ def score(server: OpenAIServer, prefix: list[int], ids: list[int], windows: list
         logprobs = server.prompt_logprobs(prefix + ids[w.start:w.end])
         first = len(prefix) + (w.score_from - w.start)
         scored = logprobs[first:]
-        if any(v is None for v in scored):  # position 0 only; plan_windows never scores it
-            raise AssertionError("scored a token without context")
+        if any(v is None for v in scored):  # vLLM leaves only position 0 empty, which is never scored
+            raise ServerError(f"{server.base_url} returned no log-probability for a token that has context "
+                              f"(window at tokens {w.start:,}..{w.end:,})",
+                              hint="perplexity needs vLLM's prompt_logprobs for every position but the first")
         out.extend(scored)  # type: ignore[arg-type]
         if on_window:
             on_window(w.end - w.score_from)
@@ -205,6 +207,9 @@ def measure(server: OpenAIServer, tokenizer: Tokenizer, source: SourceText, *, w
     bytes_scored = max(1, text_bytes - unscored_bytes)
     mean_nll = float(nll.mean())
     se = stats.batch_means_stderr(nll)
+    if mean_nll > 700:  # exp() overflows a float: a model this wrong has no perplexity worth a number
+        raise ServerError(f"the mean log-probability is {-mean_nll:.1f} nats per token: the perplexity overflows",
+                          hint="the model's output is broken; check the checkpoint and the server's tokenizer")
     ppl = math.exp(mean_nll)
     return PerplexityResult(
         created=now(), server=server_info(server), tokenizer=tokenizer.source,

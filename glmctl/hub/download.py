@@ -7,12 +7,17 @@ Order of work, so that nothing is fetched that cannot be used:
   4. `huggingface_hub.snapshot_download` (parallel, resumes `.incomplete` files, its own bars);
   5. manifest written next to the files (for offline verification), then a full verify.
 The token comes from huggingface_hub's usual places (HF_TOKEN, the stored login); it is never printed.
+
+`timeout` bounds each request to the Hub and each stalled read of a download; the whole fetch is
+bounded by the caller (glmctl.hub.fetching runs it under a deadline).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -22,6 +27,7 @@ from glmctl.hub.catalog import Artifact
 from glmctl.hub.manifest import ExpectedFile, Manifest, now, read_manifest, write_manifest
 
 DISK_MARGIN = 1.02  # 2% headroom for filesystem overhead and the manifest
+DEFAULT_TIMEOUT_S = 60.0
 
 
 class HubError(GlmctlError):
@@ -104,20 +110,44 @@ def hub_errors(repo_id: str, revision: str | None):
                     f"the download from {repo_id} was interrupted after several retries ({exc})",
                     hint="run the same command again: finished files are kept and not downloaded twice",
                 ) from exc
+            if isinstance(exc, ValueError | KeyError | TypeError | AttributeError):
+                # huggingface_hub parses what it is sent without checking it: a proxy's error page,
+                # a mirror speaking another API, a truncated answer
+                from huggingface_hub import constants
+
+                raise HubError(
+                    f"the Hub at {constants.ENDPOINT} answered for {repo_id} with something that is not the "
+                    f"Hub's API ({type(exc).__name__}: {str(exc)[:120]})",
+                    hint="check HF_ENDPOINT and any proxy between here and the Hub, then try again",
+                ) from exc
             raise
 
     return _guard()
 
 
-def list_remote(repo_id: str, revision: str | None, include: list[str], exclude: list[str]) -> tuple[str, list[ExpectedFile]]:
+def use_timeout(timeout: float) -> None:
+    """Every read of a download and every metadata request stalls at most `timeout` seconds."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_DOWNLOAD_TIMEOUT = constants.HF_HUB_ETAG_TIMEOUT = max(1, round(timeout))
+
+
+def list_remote(repo_id: str, revision: str | None, include: list[str], exclude: list[str],
+                timeout: float = DEFAULT_TIMEOUT_S) -> tuple[str, list[ExpectedFile]]:
     """Resolve `revision` to a commit and list the repository's files that the globs select."""
     from huggingface_hub.hf_api import RepoFile
 
     api = _api()
+    use_timeout(timeout)
     with hub_errors(repo_id, revision):
-        info = api.repo_info(repo_id, revision=revision)
+        info = api.repo_info(repo_id, revision=revision, timeout=timeout)
         sha = info.sha
+        if not isinstance(sha, str) or not sha:
+            raise HubError(f"the Hub's answer for {repo_id} names no commit", hint="try again later")
         entries = [e for e in api.list_repo_tree(repo_id, recursive=True, revision=sha) if isinstance(e, RepoFile)]
+    if not entries:
+        raise HubError(f"the Hub lists no files in {repo_id}@{sha[:10]}",
+                       hint="check the repository on the Hub; try again later")
     files = []
     for e in entries:
         if include and not any(fnmatch.fnmatch(e.path, g) for g in include):
@@ -137,9 +167,9 @@ def list_remote(repo_id: str, revision: str | None, include: list[str], exclude:
 
 
 def plan_fetch(artifact: Artifact, local_dir: Path, revision: str | None,
-               include: list[str] | None, exclude: list[str]) -> FetchPlan:
+               include: list[str] | None, exclude: list[str], timeout: float = DEFAULT_TIMEOUT_S) -> FetchPlan:
     assert artifact.repo_id is not None
-    sha, files = list_remote(artifact.repo_id, revision, include or list(artifact.include), exclude)
+    sha, files = list_remote(artifact.repo_id, revision, include or list(artifact.include), exclude, timeout)
     bytes_total = sum(f.size for f in files)
     # Complete files of the right size are not downloaded again (their hashes are checked after).
     remaining = sum(f.size for f in files if not _present_with_size(local_dir / f.path, f.size))
@@ -160,7 +190,8 @@ def check_disk(plan: FetchPlan) -> None:
         )
 
 
-def download(plan: FetchPlan, *, max_workers: int = 8, show_progress: bool = True) -> None:
+def download(plan: FetchPlan, *, max_workers: int = 8, show_progress: bool = True,
+             timeout: float = DEFAULT_TIMEOUT_S) -> None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
@@ -170,7 +201,7 @@ def download(plan: FetchPlan, *, max_workers: int = 8, show_progress: bool = Tru
     with hub_errors(plan.repo_id, plan.revision):
         snapshot_download(
             plan.repo_id, revision=plan.revision, local_dir=local_dir,
-            allow_patterns=[f.path for f in plan.files], max_workers=max_workers,
+            allow_patterns=[f.path for f in plan.files], max_workers=max_workers, etag_timeout=timeout,
         )
 
 
@@ -185,18 +216,39 @@ def record_manifest(plan: FetchPlan, license_id: str | None) -> Path:
     ))
 
 
-def redownload(repo_id: str, revision: str, local_dir: Path, paths: list[str], *, show_progress: bool) -> None:
-    """Fetch these files again from scratch (used by --repair)."""
+def redownload(repo_id: str, revision: str, local_dir: Path, files: list[ExpectedFile], *,
+               show_progress: bool, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Fetch these files again (used by --repair): each into a temporary directory beside the
+    download, checked against its expected size and hash, and only then renamed over the damaged
+    one. A failed or wrong download leaves the old file where it was. Returns the paths replaced."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
+    from glmctl.hub.manifest import MANIFEST_DIR, hash_file
+
     (enable_progress_bars if show_progress else disable_progress_bars)()
-    with hub_errors(repo_id, revision):
-        for path in paths:
-            target = local_dir / path
-            if target.exists():
-                target.unlink()
-            hf_hub_download(repo_id, path, revision=revision, local_dir=local_dir, force_download=True)
+    use_timeout(timeout)
+    staging_root = local_dir / MANIFEST_DIR
+    staging_root.mkdir(parents=True, exist_ok=True)
+    replaced = []
+    with tempfile.TemporaryDirectory(prefix="repair-", dir=staging_root) as staging:
+        for expected in files:
+            with hub_errors(repo_id, revision):
+                fresh = Path(hf_hub_download(repo_id, expected.path, revision=revision, local_dir=staging,
+                                             force_download=True, etag_timeout=timeout))
+            size = fresh.stat().st_size
+            if size != expected.size:
+                raise HubError(f"the Hub sent {size:,} bytes for {expected.path}, {expected.size:,} expected; "
+                               "the damaged file was left as it was", hint="try again later")
+            want = expected.sha256 or expected.git_oid
+            if want is not None and hash_file(fresh, expected) != want:
+                raise HubError(f"the file the Hub sent for {expected.path} does not match its recorded hash; "
+                               "the damaged file was left as it was", hint="try again later")
+            target = local_dir / expected.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(fresh, target)  # same filesystem: the swap is atomic
+            replaced.append(expected.path)
+    return replaced
 
 
 def _present_with_size(path: Path, size: int) -> bool:

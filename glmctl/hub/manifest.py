@@ -53,6 +53,9 @@ def write_manifest(local_dir: Path, manifest: Manifest) -> Path:
     path = manifest_path(local_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest-", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; the manifest is as readable as the files
     with os.fdopen(fd, "w") as fh:
         fh.write(manifest.model_dump_json(indent=2))
     os.replace(tmp, path)

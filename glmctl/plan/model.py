@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from glmctl.errors import ConfigError
 from glmctl.plan.presets import GLM53_FLASH, PRESET_CHECKPOINT_QUANT, PRESETS
@@ -108,14 +108,45 @@ def load_model_spec(source: str | Path) -> ModelSpec:
         )
     try:
         config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read {config_path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_path} is not a model config (a JSON object), it is a {type(config).__name__}")
     name = config_path.parent.name if config_path.name == "config.json" else config_path.stem
-    spec = _from_config(config, name=name, source=str(config_path),
-                        checkpoint_quant=_checkpoint_quant(config))
+    try:
+        spec = _from_config(config, name=name, source=str(config_path),
+                            checkpoint_quant=_checkpoint_quant(config))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(f"{config_path}: {'.'.join(map(str, first['loc']))} = {first.get('input')!r}: "
+                          f"{first['msg']}", hint="a GLM-5.3-Flash config.json (model_type glm5_next)") from exc
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong shape
+        raise ConfigError(f"{config_path} is not a GLM-5.3-Flash config the planner can read "
+                          f"({type(exc).__name__}: {exc})", hint="a GLM-5.3-Flash config.json (model_type glm5_next)") from exc
+    _check_sizes(spec, str(config_path))
     if spec.checkpoint_quant != "bf16":
         spec = spec.model_copy(update={"fp8_attention": _fp8_attention(config_path.parent)})
     return spec
+
+
+# Sizes a model cannot have zero of; the rest (RoPE dims, shared experts, mHC streams, MTP layers) may be 0.
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+             "index_head_dim", "index_n_heads", "index_kpool", "linear_num_heads", "linear_head_dim",
+             "linear_conv_kernel_dim", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings")
+_NON_NEGATIVE = ("qk_rope_head_dim", "n_shared_experts", "hc_mult", "num_nextn_predict_layers")
+
+
+def _check_sizes(spec: ModelSpec, source: str) -> None:
+    bad = [f"{k} = {getattr(spec, k)}" for k in _POSITIVE if getattr(spec, k) < 1]
+    bad += [f"{k} = {getattr(spec, k)}" for k in _NON_NEGATIVE if getattr(spec, k) < 0]
+    if spec.index_topk is not None and spec.index_topk < 1:
+        bad.append(f"index_topk = {spec.index_topk}")
+    if spec.num_experts_per_tok > spec.n_routed_experts:
+        bad.append(f"num_experts_per_tok {spec.num_experts_per_tok} > n_routed_experts {spec.n_routed_experts}")
+    if bad:
+        raise ConfigError(f"{source}: impossible sizes: {', '.join(bad)}",
+                          hint="a GLM-5.3-Flash config.json (model_type glm5_next)")
 
 
 # One projection that only each family has, as `glmctl quantize fp8` names its scales.

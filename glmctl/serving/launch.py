@@ -201,7 +201,9 @@ class VllmProcess:
 
     def _read_log(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        with open(self.log_path, "ab") as log:
+        # vLLM logs its non-default arguments, an --api-key among them: the log is the owner's only
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as log:
             for raw in iter(self._proc.stdout.readline, b""):
                 log.write(raw)
                 log.flush()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from glmctl.errors import ConfigError
@@ -39,6 +40,9 @@ class LicenseGate:
     unknown: list[str] = field(default_factory=list)
     """Licences artifacts declare that glmctl cannot classify (reported, not refused)."""
     unused_acceptances: list[str] = field(default_factory=list)
+    recorded: list[License] = field(default_factory=list)
+    """Acceptances given now (flag, env, prompt) and recorded by this evaluation: their notice and
+    obligations are for the operator to see."""
 
     @property
     def ok(self) -> bool:
@@ -63,8 +67,10 @@ def evaluate(
     profile: Profile,
     accept: list[str] = (),
     confirm: Callable[[License], bool] | None = None,
+    record: bool = True,
 ) -> LicenseGate:
-    """Decide the gate for `profile`; records acceptances given by flag, env or `confirm`."""
+    """Decide the gate for `profile`; records acceptances given by flag, env or `confirm` unless
+    `record` is False (a dry run decides the same and writes nothing)."""
     gate = LicenseGate()
     flagged = {licenses.get_license(a).id for a in accept}
     from_env = licenses.accepted_from_env()
@@ -111,10 +117,16 @@ def evaluate(
             continue
         if gate.refusals:
             continue  # never record an acceptance for a launch that is refused anyway
+        if not record:
+            gate.accepted[lic.id] = AcceptanceRecord(license=lic.id, license_name=lic.name,
+                                                     text_sha256=lic.notice_sha256, via=via,
+                                                     accepted_at=datetime.now(UTC))
+            continue
         rec = licenses.user_store().accept(lic, via)
         for art_dir in dirs:
             licenses.artifact_store(art_dir).accept(lic, via, artifact=art_dir)
         gate.accepted[lic.id] = rec
+        gate.recorded.append(lic)
     gate.unused_acceptances = sorted(flagged - {lic.id for lic in gate.in_play})
     return gate
 

@@ -83,8 +83,9 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def _licences(launch: RenderedLaunch, accept: list[str], confirm, report: PreflightReport) -> None:
-    gate = license_gate.evaluate(launch.profile, accept=accept, confirm=confirm)
+def _licences(launch: RenderedLaunch, accept: list[str], confirm, report: PreflightReport,
+              record: bool = True) -> None:
+    gate = license_gate.evaluate(launch.profile, accept=accept, confirm=confirm, record=record)
     report.gate = gate
     if not gate.ok:
         message, hint = license_gate.refusal_message(launch.profile, gate)
@@ -234,11 +235,13 @@ def run(
     *,
     accept: list[str] = (),
     confirm: Callable[[License], bool] | None = None,
+    record: bool = True,
 ) -> PreflightReport:
-    """All checks for `launch`; raises LicenseError or PreflightError, else returns the report."""
+    """All checks for `launch`; raises LicenseError or PreflightError, else returns the report.
+    `record=False` (a dry run) records no licence acceptance; every check is the same."""
     report = PreflightReport(profile=launch.profile.name)
     report.warnings += launch.profile.advisories()
-    _licences(launch, list(accept), confirm, report)
+    _licences(launch, list(accept), confirm, report, record)
     _artifacts(launch, report)
     _port(launch, report)
     if report.failures:

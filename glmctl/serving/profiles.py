@@ -118,9 +118,16 @@ def _resolve(src: ProfileSource, chain: tuple[str, ...]) -> dict[str, Any]:
     if parent_name in chain and parent_name != src.name:
         raise ConfigError(f"profile '{src.name}': `extends` loops: {' -> '.join([*chain, parent_name])}")
     # A profile extending its own name starts from the next file of that name (the shipped one).
-    parent = find(parent_name, skip=src.path if parent_name == src.name else None)
-    if parent.path == src.path or (parent_name == src.name and src.origin == "shipped"):
-        raise ConfigError(f"profile '{src.name}' extends itself")
+    if parent_name == src.name:
+        others = [s for s in sources() if s.name == src.name and s.path != src.path]
+        if src.origin == "shipped" or not others:
+            raise ConfigError(
+                f"profile '{src.name}' ({src.path}) extends itself",
+                hint=f"a user profile may extend the shipped profile of its own name, and there is no shipped "
+                     f"'{src.name}': set `extends` to another profile (glmctl profile ls) or remove it")
+        parent = others[0]
+    else:
+        parent = find(parent_name)
     merged = _merge(_resolve(parent, (*chain, parent_name)), data)
     merged["extends"] = parent_name
     return merged

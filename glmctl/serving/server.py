@@ -149,15 +149,17 @@ def prepare(
     run_dir: Path | None = None,
     check: bool = True,
     on_line: Callable[[str], None] | None = None,
+    record: bool = True,
 ) -> Server:
     """Load, render and preflight a profile; the Server is ready to `start()`.
 
     Raises ConfigError / LicenseError / PreflightError (each with its fix) before anything starts.
+    A dry run is this with `record=False`: the same checks, no licence acceptance recorded.
     """
     prof = profile if isinstance(profile, Profile) else profiles.load(profile)
     prof = render.with_paths(prof, model=model, drafter=drafter)
     launch = render.render(prof, host=host, port=free_port(host) if port is None else port)
-    report = preflight_mod.run(launch, accept=list(accept), confirm=confirm) if check else None
+    report = preflight_mod.run(launch, accept=list(accept), confirm=confirm, record=record) if check else None
     return Server(launch, run_dir or run_dir_for(prof, launch.port), report, on_line=on_line)
 
 

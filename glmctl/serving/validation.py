@@ -1,9 +1,10 @@
 """`glmctl profile validate`: a profile checked as far as it can be without starting anything.
 
 Schema and `extends` (always), the licence policy of its declared artifacts (a commercial profile
-with a non-commercial artifact is invalid), and, when vLLM is importable, vLLM's own parser on the
-rendered config. Paths the profile leaves to serve time (`--model`, `--drafter`) are filled with
-placeholders for the parser, which does not open them.
+with a non-commercial artifact is invalid), the rendered config against vLLM 0.30's `vllm serve`
+options (shipped as data, so this holds where vLLM is not installed), and, when vLLM is
+importable, vLLM's own parser on the rendered config. Paths the profile leaves to serve time
+(`--model`, `--drafter`) are filled with placeholders for the parser, which does not open them.
 """
 
 from __future__ import annotations
@@ -57,12 +58,15 @@ def validate(name_or_path: str, use_vllm: bool | None = None) -> ValidationRepor
     report.errors += gate.refusals
     report.needs_acceptance = [lic.id for lic in gate.missing]
 
+    from glmctl.serving import vllm_args
+
+    launch = render.render(with_placeholders(prof))
+    table = vllm_args.shipped_flags()
+    report.checked_by.append(f"vLLM {table.vllm_version} flag list")
+    report.errors += [f"vllm_args: {p}" for p in table.problems(launch.config)]
     if use_vllm is None:
         use_vllm = importlib.util.find_spec("vllm") is not None
     if use_vllm:
-        from glmctl.serving import vllm_args
-
-        launch = render.render(with_placeholders(prof))
         check = vllm_args.check(launch.config_yaml(), launch.env)
         if check.error is not None:
             report.errors.append(check.error)

@@ -24,6 +24,58 @@ from typing import Any
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "glmctl"
 _MARK = "@@glmctl-vllm-check "
+FLAGS_DATA = "vllm_serve_flags.json"
+"""vLLM 0.30's `vllm serve` options as data (scripts/gen_vllm_flags.py writes it from vLLM's own
+parser; the vllm lane checks it still matches), so a profile is checked where vLLM is not installed."""
+
+
+@dataclass(frozen=True)
+class FlagTable:
+    vllm_version: str
+    options: frozenset[str]
+    """Every long option of `vllm serve`, without the leading dashes (`--no-` forms included)."""
+    speculative_config_fields: frozenset[str]
+
+    def problems(self, config: dict[str, Any]) -> list[str]:
+        """What vLLM's parser would refuse, or silently drop, in a `vllm serve --config` mapping."""
+        out = []
+        for key, value in config.items():
+            if key not in self.options:
+                out.append(f"'{key}' is not a `vllm serve` option")
+            elif value is False and f"no-{key}" not in self.options:
+                out.append(f"'{key}: false' would be ignored by vLLM (the flag has no --no- form): remove it")
+        spec = config.get("speculative-config")
+        if isinstance(spec, dict):
+            out += [f"speculative-config.{k} is not a SpeculativeConfig field" for k in spec
+                    if k not in self.speculative_config_fields]
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {"vllm_version": self.vllm_version, "generated_by": "scripts/gen_vllm_flags.py",
+                "options": sorted(self.options), "speculative_config_fields": sorted(self.speculative_config_fields)}
+
+
+def shipped_flags() -> FlagTable:
+    """The flag table shipped with glmctl (no vLLM import)."""
+    from importlib import resources
+
+    raw = json.loads(resources.files("glmctl.serving").joinpath(FLAGS_DATA).read_text())
+    return FlagTable(raw["vllm_version"], frozenset(raw["options"]), frozenset(raw["speculative_config_fields"]))
+
+
+def flags_from_vllm() -> FlagTable:
+    """The same table read from the installed vLLM's parser (imports vLLM: the child or a script)."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    from glmctl.serving.vllm_entry import _answer_vllm_version_lookup, vllm_distribution_version
+
+    _answer_vllm_version_lookup()
+    _, serve_parser, _ = _serve_parser()
+    options = {o[2:] for o in serve_parser._option_string_actions if o.startswith("--")}
+    version = (vllm_distribution_version() or "?").split("+")[0]
+    return FlagTable(version, frozenset(options), frozenset(f.name for f in dataclasses.fields(SpeculativeConfig)))
 
 
 @dataclass
@@ -107,24 +159,14 @@ def _plugin_state() -> tuple[bool, str | None]:
 
 
 def _static_problems(config: dict[str, Any], serve_parser) -> list[str]:
-    """What the parser would not say (or would say one at a time)."""
-    options = serve_parser._option_string_actions
-    problems = []
-    for key, value in config.items():
-        flag = f"--{key}"
-        if flag not in options:
-            problems.append(f"'{key}' is not a `vllm serve` option")
-        elif value is False and f"--no-{key}" not in options:
-            problems.append(f"'{key}: false' would be ignored by vLLM (the flag has no --no- form): remove it")
-    spec = config.get("speculative-config")
-    if isinstance(spec, dict):
-        import dataclasses
+    """What the parser would not say (or would say one at a time), from the live parser."""
+    import dataclasses
 
-        from vllm.config import SpeculativeConfig
+    from vllm.config import SpeculativeConfig
 
-        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-        problems += [f"speculative-config.{k} is not a SpeculativeConfig field" for k in spec if k not in known]
-    return problems
+    options = {o[2:] for o in serve_parser._option_string_actions if o.startswith("--")}
+    table = FlagTable("live", frozenset(options), frozenset(f.name for f in dataclasses.fields(SpeculativeConfig)))
+    return table.problems(config)
 
 
 def _run_check(config_path: str) -> dict[str, Any]:

@@ -315,6 +315,7 @@ def build(
         for fname in names.values():
             save_file({n: tensors[n] for n in weight_map if weight_map[n] == fname}, str(tmp / fname),
                       metadata={"format": "pt"})
+            (tmp / fname).chmod(0o666 & ~umask)  # safetensors creates 0600: an ordinary file, as the rest
         total_size = sum(v.numel() * v.element_size() for v in tensors.values())
         _write_json(tmp / SAFETENSORS_INDEX, {
             "metadata": {"total_size": total_size},

@@ -12,7 +12,9 @@ RevisionNotFound, EntryNotFound), so huggingface_hub raises its real exception t
 
 Knobs for tests: `gated` repo ids answer GatedRepo; `cut_after[path] = [N, times]` makes the
 next `times` whole-file GETs stop after N bytes (interrupted transfers; ranged GETs are served
-in full); `requests` records (method, path, Range header).
+in full); `faults` maps "info" (repo info), "tree" (the listing) or "file:PATH" to "500",
+"garbage" (200, not JSON), "missing" (200, an empty JSON object) or "hang" (no answer for
+`hang_s`); `requests` records (method, path, Range header).
 Files whose name ends in .safetensors are served as LFS files (sha256 oid), the rest as git blobs.
 """
 
@@ -39,6 +41,8 @@ class FakeHub:
         # path in repo -> [bytes served before the connection drops, how many more times to drop]
         self.cut_after: dict[str, list[int]] = {}
         self.requests: list[tuple[str, str, str | None]] = []
+        self.faults: dict[str, str] = {}
+        self.hang_s = 30.0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -89,6 +93,28 @@ class FakeHub:
                     return None
                 return path
 
+            def _fault(self, key: str) -> bool:
+                fault = hub.faults.get(key)
+                if fault == "500":
+                    self._error(500, "InternalError")
+                elif fault == "garbage":
+                    body = b"<html>upstream error</html>"
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                elif fault == "missing":
+                    self._json({})
+                elif fault == "hang":
+                    import time
+
+                    time.sleep(hub.hang_s)
+                    self.close_connection = True
+                else:
+                    return False
+                return True
+
             def do_HEAD(self):
                 self._route(head=True)
 
@@ -100,6 +126,8 @@ class FakeHub:
                 parts = [unquote(p) for p in url.path.strip("/").split("/")]
                 hub.requests.append((self.command, url.path, self.headers.get("Range")))
                 if parts[:2] == ["api", "models"] and len(parts) == 4:  # repo info at the default branch
+                    if self._fault("info"):
+                        return
                     if self._repo(parts[2], parts[3]) is not None:
                         self._json({"id": f"{parts[2]}/{parts[3]}", "sha": COMMIT, "siblings": []})
                     return
@@ -109,6 +137,8 @@ class FakeHub:
                         return
                     if parts[5] not in ("main", COMMIT):
                         return self._error(404, "RevisionNotFound")
+                    if self._fault("info" if parts[4] == "revision" else "tree"):
+                        return
                     if parts[4] == "revision":
                         return self._json({"id": f"{parts[2]}/{parts[3]}", "sha": COMMIT, "siblings": []})
                     if parts[4] == "tree":
@@ -120,6 +150,8 @@ class FakeHub:
                     if parts[3] not in ("main", COMMIT):
                         return self._error(404, "RevisionNotFound")
                     rel = "/".join(parts[4:])
+                    if not head and self._fault(f"file:{rel}"):
+                        return
                     return self._file(repo, rel, head)
                 self._error(404, "EntryNotFound")
 

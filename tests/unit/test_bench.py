@@ -158,7 +158,7 @@ def test_parse_counts_and_sweep_defaults(served):
 def test_cli_sweep_json_table_and_baseline(run_cli, tmp_path, served):
     server, _ = served(decode_tok_s=300.0)
     url = server.base_url
-    args = ["bench", "--url", url, "--sweep", "--sessions", "1,2", "--context", "300,600", "--output-tokens", "40",
+    args = ["bench", "--url", url, "--sweep", "--sessions", "1,2", "--context", "300,600", "--output-tokens", "120",
             "--poll-interval", "0.05"]
     first = run_cli(*args, "--json", "--out", str(tmp_path / "b.json"))
     assert first.returncode == 0, first.stderr

@@ -156,3 +156,46 @@ def test_brackets_in_messages_survive(capsys):
     out.warn("file x[1].bin")
     err = capsys.readouterr().err
     assert "[doctor] step" in err and "x[1].bin" in err
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    ("glmctl serve --profile c", {"commercial"}),
+    ("glmctl profile show tiny", {"tiny-cpu"}),
+    ("glmctl bench --profile ", {"commercial", "noncommercial", "latency", "tiny-cpu"}),
+    ("glmctl doctor --profile lat", {"latency"}),
+    ("glmctl fetch glm-5.3", {"glm-5.3-flash", "glm-5.3-flash-exl3-4bit"}),
+    ("glmctl plan --kv-cache-dtype fp8", {"fp8", "fp8_ds_mla"}),
+])
+def test_completion_offers_profile_names_fetch_targets_and_kv_dtypes(words, expected):
+    import os
+
+    cword = str(len(words.split()) - (0 if words.endswith(" ") else 1))
+    env = {**os.environ, "_GLMCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword}
+    proc = subprocess.run([sys.executable, "-m", "glmctl"], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=60)
+    assert expected <= set(proc.stdout.split()), proc.stdout + proc.stderr
+
+
+def test_every_error_class_maps_to_a_documented_exit_code():
+    """1 runtime, 2 usage or configuration, 130 interrupted: nothing else reaches the shell."""
+    import importlib
+    import pkgutil
+
+    import glmctl
+    from glmctl.errors import GlmctlError
+
+    for mod in pkgutil.walk_packages(glmctl.__path__, "glmctl."):
+        if mod.name.split(".")[1] in ("plugin", "collectives", "kernels"):
+            continue  # data-plane modules import torch/vLLM; their errors never reach the CLI's map
+        try:
+            importlib.import_module(mod.name)
+        except ImportError:
+            continue
+    seen, todo = set(), [GlmctlError]
+    while todo:
+        cls = todo.pop()
+        seen.add(cls)
+        todo += [c for c in cls.__subclasses__() if c not in seen]
+    assert len(seen) > 15
+    for cls in seen:
+        assert cls.exit_code in (1, 2), cls  # FetchAbandoned sets 130 per instance, at Ctrl-C only

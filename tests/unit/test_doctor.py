@@ -185,3 +185,21 @@ def test_preset_planning_uses_the_profiles_weight_format():
         verdicts.append(capacity.predict(launch, gpus))
     assert verdicts[0].fits and verdicts[0].sessions_fit == 8
     assert not verdicts[1].fits  # FP8 experts leave no room for 8 x 256k sessions
+
+
+def test_an_unknown_profile_or_an_unreadable_report_is_a_usage_error_before_probing(capsys, tmp_path):
+    from tests.unit.cli_inproc import run_glmctl
+
+    nosuch = run_glmctl(capsys, "doctor", "--profile", "nosuch")
+    assert nosuch.code == 2 and "no serving profile named 'nosuch'" in nosuch.err
+    assert "[doctor]" not in nosuch.err  # nothing was probed
+    missing = run_glmctl(capsys, "doctor", "--from", tmp_path / "none.json")
+    assert missing.code == 2 and "does not exist" in missing.err
+    for text in ("{not json", "[1, 2]", '{"gpus": "many"}'):
+        (tmp_path / "bad.json").write_text(text)
+        bad = run_glmctl(capsys, "doctor", "--from", tmp_path / "bad.json")
+        assert bad.code == 2 and "is not a glmctl doctor report" in bad.err, bad.err
+        assert "unexpected error" not in bad.err
+    unwritable = run_glmctl(capsys, "doctor", "--from", FIXTURES / "no-gpu-cpu-host.json",
+                            "--record", FIXTURES / "no-gpu-cpu-host.json" / "x.json")
+    assert unwritable.code == 2 and "--record" in unwritable.err

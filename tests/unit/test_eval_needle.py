@@ -175,3 +175,14 @@ def test_cli_needle_dry_run_and_json(run_cli, tmp_path):
         assert doc["kind"] == "needle" and doc["accuracy"] == 1.0 and doc["heatmap"].endswith("n.png")
         bad = run_cli("eval", "needle", "--url", url, "--lengths", "250k")
         assert bad.returncode == 2 and "max_model_len" in bad.stderr
+
+
+def test_a_tokenizer_that_does_not_round_trip_is_a_server_error(fake, tmp_path, monkeypatch):
+    from glmctl.evals.client import ServerError
+
+    tok = ServerTokenizer(fake)
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids: real(ids).replace("secret code", "s3cr3t c0de"))
+    with pytest.raises(ServerError, match="does not give back the prompt"):
+        needle_run.run_grid(fake, tok, stdlib_text(), lengths=[2000], depths=[50.0], out=tmp_path / "n.jsonl")
+    assert not (tmp_path / "n.jsonl").exists()

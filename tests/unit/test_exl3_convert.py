@@ -281,3 +281,10 @@ def test_exl3_over_an_fp8_attention_checkpoint_keeps_its_fp8_attention(tiny_chec
     assert model.checkpoint_quant == "exl3:4" and model.fp8_attention == ["kda", "mla"]
     block = _block_fp8(Exl3ExpertsConfig.from_config(quant))
     assert block is not None and block.block == 128
+
+
+def test_dry_run_refuses_calibration_files_that_do_not_exist(tiny_checkpoint, tmp_path, run_cli):
+    proc = run_cli("quantize", "exl3", str(tiny_checkpoint.path), str(tmp_path / "out"), "--dry-run",
+                   "--tp", "1", "--calibration", f"{tmp_path / 'nope.txt'}")
+    assert proc.returncode == 2 and "nope.txt is not a file" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -67,6 +68,7 @@ def test_download_writes_manifest_and_verifies(fetch_cli, tmp_path):
     assert result["revision"] == COMMIT and result["verify"]["source"] == "hub"
     assert {f["status"] for f in result["verify"]["files"]} == {"ok"}
     assert len(result["verify"]["files"]) == 4 and result["verify"]["problems"] == []
+    assert (dest / ".glmctl" / "manifest.json").stat().st_mode & 0o777 == (dest / "config.json").stat().st_mode & 0o777
     manifest = json.loads((dest / ".glmctl" / "manifest.json").read_text())
     shards = [f for f in manifest["files"] if f["path"].endswith(".safetensors")]
     assert all(len(f["sha256"]) == 64 for f in shards)
@@ -211,3 +213,122 @@ def test_corrupt_header_without_manifest_is_reported_by_name(fetch_cli, tmp_path
     assert proc.returncode == 1 and "no glmctl manifest" in proc.stderr
     files = {f["path"]: f for f in json.loads(proc.stdout)["verify"]["files"]}
     assert files["model-00001-of-00002.safetensors"]["status"] == "bad-header"
+
+
+# -- a hostile or absent Hub: nothing deleted, deadlines that hold, every failure a sentence -----
+
+def _dead_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _damage(dest):
+    shard = dest / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard, bytes(data)
+
+
+@pytest.mark.parametrize("hub_state", ["500", "offline"])
+def test_a_repair_that_cannot_download_keeps_the_damaged_file(fetch_cli, hub, tmp_path, hub_state):
+    dest = tmp_path / "out"
+    assert fetch_cli("org/tiny", "--local-dir", str(dest)).returncode == 0
+    shard, damaged = _damage(dest)
+    env = {}
+    if hub_state == "500":
+        hub.faults["file:model-00002-of-00002.safetensors"] = "500"
+    else:
+        env = {"HF_ENDPOINT": _dead_endpoint()}
+    proc = fetch_cli("--verify", str(dest), "--repair", "--timeout", "2", env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert ("HTTP 500" if hub_state == "500" else "cannot reach") in proc.stderr
+    assert "unexpected error" not in proc.stderr
+    assert shard.read_bytes() == damaged  # still there, exactly as it was
+    assert not list((dest / ".glmctl").glob("repair-*"))  # and no staging left behind
+
+
+def test_a_repair_that_downloads_the_wrong_bytes_keeps_the_damaged_file(fetch_cli, hub, tmp_path):
+    dest = tmp_path / "out"
+    assert fetch_cli("org/tiny", "--local-dir", str(dest)).returncode == 0
+    shard, damaged = _damage(dest)
+    (hub.root / "org" / "tiny" / shard.name).write_bytes(damaged[:-1] + b"\x00")  # the Hub now serves other bytes
+    proc = fetch_cli("--verify", str(dest), "--repair", "--offline")
+    assert proc.returncode == 1 and "does not match its recorded hash" in proc.stderr, proc.stderr
+    assert shard.read_bytes() == damaged
+
+
+@pytest.mark.parametrize("contents", [[], ["config.json"]])
+def test_verifying_a_directory_with_nothing_to_verify_is_not_verified(fetch_cli, tmp_path, contents):
+    dest = tmp_path / "empty"
+    dest.mkdir()
+    for name in contents:
+        (dest / name).write_text("{}")
+    proc = fetch_cli("--verify", str(dest))
+    assert proc.returncode == 1, proc.stdout
+    assert "nothing to verify" in proc.stdout and "NOT verified" in proc.stdout
+    assert "--repair" not in proc.stdout  # there is no manifest to repair from
+
+
+@pytest.mark.parametrize(("where", "fault", "said"), [
+    ("info", "garbage", "not the Hub's API"),
+    ("info", "missing", "not the Hub's API"),
+    ("tree", "garbage", "not the Hub's API"),
+    ("tree", "missing", "lists no files"),
+    ("info", "500", "HTTP 500"),
+])
+def test_a_hub_answering_garbage_is_a_sentence(fetch_cli, hub, tmp_path, where, fault, said):
+    hub.faults[where] = fault
+    dest = tmp_path / "x"
+    proc = fetch_cli("org/tiny", "--local-dir", str(dest))
+    assert proc.returncode == 1 and said in proc.stderr, proc.stderr
+    assert "unexpected error" not in proc.stderr and not dest.exists()
+
+
+def test_a_stalled_hub_is_cut_at_the_timeout(fetch_cli, hub, tmp_path):
+    hub.faults["info"] = "hang"
+    started = time.monotonic()
+    proc = fetch_cli("org/tiny", "--local-dir", str(tmp_path / "x"), "--timeout", "2", "--deadline", "60")
+    assert proc.returncode == 1 and "unexpected error" not in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 45  # seconds, not the Hub's 30 s hang per retry
+
+
+@pytest.mark.parametrize("where", ["tree", "file:model-00001-of-00002.safetensors"])
+def test_the_deadline_bounds_the_whole_fetch_and_says_so(fetch_cli, hub, tmp_path, where):
+    hub.faults[where] = "hang"
+    started = time.monotonic()
+    proc = fetch_cli("org/tiny", "--local-dir", str(tmp_path / "x"), "--deadline", "4")
+    assert proc.returncode == 1 and "did not finish within its --deadline of 4 s" in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 25
+
+
+def test_ctrl_c_stops_a_fetch_at_once_and_says_what_is_kept(hub, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    hub.faults["file:model-00001-of-00002.safetensors"] = "hang"
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "",
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "glmctl", "fetch", "org/tiny", "--local-dir", str(tmp_path / "x")],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _gets(hub, "model-00001") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert time.monotonic() - sent < 5
+    assert "interrupted" in err and "resume" in err
+
+
+def test_an_unaccepted_licence_is_refused_before_the_network(fetch_cli, tmp_path):
+    proc = fetch_cli("dflash2", "--local-dir", str(tmp_path / "d"), env={"HF_ENDPOINT": _dead_endpoint()})
+    assert proc.returncode == 2 and "--accept-license dflash2-cc-by-nc-nd-4.0" in proc.stderr, proc.stderr
+    assert "cannot reach" not in proc.stderr and "GLMCTL_DEBUG" not in proc.stderr

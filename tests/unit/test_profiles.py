@@ -195,3 +195,88 @@ def test_profile_cli_ls_show_render_validate(run_cli, tmp_path):
     assert proc.returncode == 2 and "set max_model_len instead" in proc.stdout
     proc = run_cli("profile", "validate", "noncommercial", "--no-vllm")
     assert proc.returncode == 0 and "--accept-license dflash2-cc-by-nc-nd-4.0" in proc.stdout
+
+
+SECRET_PROFILE = ("extends: tiny-cpu\nenv:\n  HF_TOKEN: hf_abcdef\n  VLLM_CPU_OMP_THREADS_BIND: auto\n"
+                  "vllm_args:\n  api-key: sk-live-123\n  max-logprobs: 4096\n")
+
+
+def test_secrets_are_masked_in_show_and_render_and_kept_private_in_files(tmp_path, capsys):
+    from tests.unit.cli_inproc import run_glmctl
+
+    _user_profile("mine", SECRET_PROFILE)
+    for args in (("profile", "show", "mine"), ("profile", "show", "mine", "--json"),
+                 ("profile", "render", "mine", "--model", tmp_path), ("profile", "render", "mine", "--model",
+                                                                      tmp_path, "--json")):
+        run = run_glmctl(capsys, *args)
+        assert run.code == 0, run.err
+        assert "sk-live-123" not in run.text and "hf_abcdef" not in run.text and "***" in run.out, args
+        assert "4096" in run.out and "auto" in run.out  # only secret-looking keys are masked
+    out = tmp_path / "deploy"
+    run = run_glmctl(capsys, "profile", "render", "mine", "--model", tmp_path, "--out", out)
+    assert run.code == 0 and "sk-live" not in run.text
+    assert "HF_TOKEN=hf_abcdef" in (out / "vllm.env").read_text()  # the file itself is what vLLM needs
+    assert yaml.safe_load((out / "vllm.yaml").read_text())["api-key"] == "sk-live-123"
+    assert (out / "vllm.env").stat().st_mode & 0o777 == 0o600
+    assert (out / "vllm.yaml").stat().st_mode & 0o777 == 0o600
+    plain = tmp_path / "plain"
+    assert run_glmctl(capsys, "profile", "render", "tiny-cpu", "--model", tmp_path, "--out", plain).code == 0
+    assert (plain / "vllm.env").stat().st_mode & 0o777 == 0o600  # an env file is private whatever it holds
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (plain / "vllm.yaml").stat().st_mode & 0o777 == 0o644 & ~umask  # no secret: an ordinary file
+
+
+def test_rendered_directory_runs_plain_vllm_serve_wherever_it_is_copied(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(render, "_vllm_serve_words", lambda: ["vllm", "serve"])  # the CUDA distribution
+    files = render.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "here")
+    script = files.command.read_text()
+    assert "exec vllm serve --config vllm.yaml" in script and "glmctl.serving.vllm_entry" not in script
+    assert "/here/" not in script and "python" not in script  # nothing of this machine in it
+    copied = tmp_path / "elsewhere" / "deploy"
+    shutil.copytree(tmp_path / "here", copied)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text('#!/bin/sh\necho "args: $*"\necho "cwd: $(pwd)"\n'
+                                  'echo "space: $VLLM_CPU_KVCACHE_SPACE"\nhead -c 0 vllm.yaml && echo "config readable"\n')
+    (bin_dir / "vllm").chmod(0o755)
+    proc = subprocess.run(["bash", str(copied / "command.sh")], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "args: serve --config vllm.yaml" in proc.stdout and f"cwd: {copied}" in proc.stdout
+    assert "space: 1" in proc.stdout and "config readable" in proc.stdout
+
+
+def test_the_vllm_cpu_distribution_gets_the_shim_and_the_file_says_why(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(render, "_vllm_serve_words", lambda: [sys.executable, "-m", "glmctl.serving.vllm_entry", "serve"])
+    files = render.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "out")
+    script = files.command.read_text()
+    assert '"${PYTHON:-python3}" -m glmctl.serving.vllm_entry serve --config vllm.yaml' in script
+    assert "vllm-cpu distribution" in script and "plain `vllm serve --config vllm.yaml`" in script
+    assert sys.executable not in script
+
+
+def test_a_user_profile_extending_itself_says_so():
+    _user_profile("solo", "extends: solo\nusage: commercial\nmax_num_seqs: 1\nmax_model_len: 64\n")
+    with pytest.raises(ConfigError) as err:
+        profiles.load("solo")
+    assert "extends itself" in err.value.message and "no shipped 'solo'" in err.value.hint
+
+
+def test_validate_checks_vllm_args_against_the_shipped_flag_list_without_vllm(run_cli, tmp_path):
+    from glmctl.serving.validation import validate
+
+    _user_profile("typo", "extends: tiny-cpu\nvllm_args:\n  not-a-vllm-flag: 7\n  enable-prefix-caching: false\n"
+                          "  disable-log-stats: false\n")
+    report = validate("typo", use_vllm=False)
+    assert not report.valid and "vLLM 0.30.0 flag list" in report.checked_by
+    assert any("'not-a-vllm-flag' is not a `vllm serve` option" in e for e in report.errors)
+    assert any("'disable-log-stats: false' would be ignored" in e for e in report.errors)
+    assert not any("enable-prefix-caching" in e for e in report.errors)  # it has a --no- form
+    assert validate("commercial", use_vllm=False).valid

@@ -404,3 +404,60 @@ def test_single_file_checkpoint_stays_single_file(tmp_path):
                                                                      "model.safetensors"]
     code, out, _ = cli("quantize", "verify", str(tmp_path / "dst"), "--reference", str(src))
     assert code == 0 and "1 converted" in out
+
+
+# -- a verifier reports on broken checkpoints; a resume trusts nothing it has not re-hashed --------
+
+@pytest.mark.parametrize(("damage", "said"), [
+    (_damage_truncate, "truncated"),
+    (_damage_header, "header is not valid JSON"),
+    (_damage_missing_shard, "missing"),
+])
+def test_verify_json_reports_a_damaged_shard(converted, tmp_path, damage, said):
+    dst = copy_checkpoint(converted, tmp_path / "dst")
+    damage(dst)
+    code, out, err = cli("quantize", "verify", str(dst), "--json")
+    assert code == 1, err
+    doc = json.loads(out)
+    assert doc["ok"] is False and any(said in p for p in doc["problems"]), doc["problems"]
+    assert "unexpected error" not in err
+
+
+def test_resume_converts_a_finished_shard_again_when_its_bytes_changed(synthetic_src, tmp_path):
+    whole = tmp_path / "whole"
+    convert_fp8(synthetic_src, whole, Fp8Settings())
+    dst = tmp_path / "dst"
+
+    def stop_after_first(shard: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_fp8(synthetic_src, dst, Fp8Settings(), on_shard_done=stop_after_first)
+    done = partial_dir_for(dst, "fp8") / "model-00001-of-00002.safetensors"
+    data = bytearray(done.read_bytes())
+    data[-5] ^= 0x01  # same size, one bit: only the hash can tell
+    done.write_bytes(bytes(data))
+    code, out, err = cli("quantize", "fp8", str(synthetic_src), str(dst), "--resume", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["shards_resumed"] == 0
+    assert any("model-00001-of-00002.safetensors had changed" in n for n in result["notes"])
+    assert same_tree(whole, dst) == []
+
+
+def test_a_conversion_whose_output_fails_verification_never_becomes_dst(synthetic_src, tmp_path, monkeypatch):
+    import glmctl.quantize.fp8_convert as conv
+
+    real = conv._write_metadata
+
+    def broken_config(job, *args):
+        real(job, *args)
+        config = json.loads((job.work / "config.json").read_text())
+        config["quantization_config"]["activation_scheme"] = "static"
+        (job.work / "config.json").write_text(json.dumps(config))
+
+    monkeypatch.setattr(conv, "_write_metadata", broken_config)
+    dst = tmp_path / "dst"
+    code, _, err = cli("quantize", "fp8", str(synthetic_src), str(dst))
+    assert code == 1 and "fails verification" in err and "activation_scheme" in err, err
+    assert not dst.exists() and partial_dir_for(dst, "fp8").is_dir()

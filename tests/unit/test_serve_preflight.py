@@ -151,21 +151,50 @@ def test_cli_unknown_licence_id(run_cli, tmp_path):
     assert proc.returncode == 2 and "no such licence id" in proc.stderr
 
 
-def test_cli_dry_run_prints_and_starts_nothing(run_cli, tmp_path):
+def test_cli_dry_run_runs_the_real_preflight_and_writes_nothing(run_cli, tmp_path):
+    """A dry run refuses what a real start refuses, with the same sentence and exit code."""
     home = tmp_path / "home"
     env = {"GLMCTL_HOME": str(home), "GLMCTL_CACHE": str(tmp_path / "cache")}
-    proc = run_cli("serve", "--profile", "commercial", "--model", str(tmp_path / "ckpt"), "--port", "8123",
-                   "--dry-run", "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
-    assert data["config"]["port"] == 8123 and data["config"]["speculative-config"]["method"] == "mtp"
-    assert data["env"]["NCCL_P2P_DISABLE"] == "1"
-    assert data["command"].endswith(f"--config {tmp_path / 'cache'}/serve/commercial-8123/vllm.yaml")
-    assert data["argv"][1:4] == ["-m", "glmctl.serving.vllm_entry", "serve"]
-    assert [lic["id"] for lic in data["licenses"]] == ["shapleymcg-1.0", "glm-5.3-flash-model-license"]
-    assert not (tmp_path / "cache").exists() and not home.exists()  # nothing written, nothing accepted
-    human = run_cli("serve", "--profile", "tiny-cpu", "--model", str(tmp_path), "--dry-run", env=env)
-    assert "enforce-eager: true" in human.stdout and "VLLM_CPU_KVCACHE_SPACE=1" in human.stdout
+    args = ["serve", "--profile", "commercial", "--model", str(tmp_path / "nonexistent"), "--port", "8123",
+            "--accept-license", "shapleymcg-1.0"]
+    dry = run_cli(*args, "--dry-run", "--json", env=env)
+    real = run_cli(*args, env={"GLMCTL_HOME": str(tmp_path / "home2"), "GLMCTL_CACHE": str(tmp_path / "cache2")})
+    assert dry.returncode == real.returncode == 2, dry.stderr
+    assert f"checkpoint directory {tmp_path / 'nonexistent'} does not exist" in dry.stderr
+    assert dry.stdout == "" and [ln for ln in dry.stderr.splitlines() if "- checkpoint" in ln] == \
+        [ln for ln in real.stderr.splitlines() if "- checkpoint" in ln]
+    unaccepted = run_cli("serve", "--profile", "commercial", "--model", str(tmp_path), "--dry-run", env=env)
+    assert unaccepted.returncode == 2 and "--accept-license shapleymcg-1.0" in unaccepted.stderr
+    assert not (tmp_path / "cache").exists() and not (home / "licenses").exists()
+
+
+def test_dry_run_that_passes_prints_the_launch_masked_and_records_nothing(tmp_path, capsys, monkeypatch):
+    from glmctl import paths
+    from glmctl.serving import vllm_args
+    from tests.unit.cli_inproc import run_glmctl
+
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    root = paths.user_profiles()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "mine.yaml").write_text("extends: tiny-cpu\nenv:\n  HF_TOKEN: hf_abcdef\n"
+                                    "vllm_args:\n  api-key: sk-live-123\n")
+    calls = []
+    monkeypatch.setattr(vllm_args, "check", lambda text, env=None, timeout=300: calls.append(text) or
+                        vllm_args.VllmCheck(vllm_version="0.30.0", platform="cpu", plugin_registered=True))
+    from glmctl.serving.server import free_port
+
+    port = str(free_port())
+    run = run_glmctl(capsys, "serve", "--profile", "mine", "--model", ckpt, "--port", port, "--dry-run", "--json")
+    assert run.code == 0, run.err
+    data = json.loads(run.out)
+    assert calls and "sk-live-123" in calls[0]  # vLLM's parser saw the real config
+    assert data["config"]["api-key"] == "***" and data["env"]["HF_TOKEN"] == "***"
+    assert "sk-live-123" not in run.text and "hf_abcdef" not in run.text
+    assert any("shards" in line for line in data["preflight"]["passed"])
+    human = run_glmctl(capsys, "serve", "--profile", "mine", "--model", ckpt, "--port", port, "--dry-run")
+    assert human.code == 0 and "api-key: '***'" in human.out and "HF_TOKEN='***'" in human.out
+    assert "every preflight check passed" in human.out and "sk-live" not in human.text
+    assert not paths.cache().joinpath("serve").exists()
 
 
 @pytest.mark.parametrize(

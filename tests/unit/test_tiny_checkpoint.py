@@ -64,6 +64,12 @@ def test_transformers_ignores_only_the_mtp_layer_and_shared_indexer_weights(tiny
     assert any(k.startswith(mtp) for k in hf.unused_checkpoint_keys)
 
 
+def test_every_file_has_the_same_ordinary_mode(tiny_checkpoint):
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tiny_checkpoint.path.iterdir() if f.is_file()}
+    assert len(set(modes.values())) == 1, modes  # shards are not 0600 while the rest is 0644
+    assert modes["config.json"] & 0o400
+
+
 def test_config_declares_the_real_architecture(tiny_checkpoint):
     c = json.loads((tiny_checkpoint.path / "config.json").read_text())
     assert c["model_type"] == "glm5_next" and c["architectures"] == ["Glm5NextForCausalLM"]
