@@ -96,7 +96,8 @@ def resolved_config(llm) -> dict:
         cc = runner.compilation_config
         info = {"compilation_mode": str(getattr(cc, "mode", None)),
                 "cudagraph_mode": getattr(getattr(cc, "cudagraph_mode", None), "name", None),
-                "cudagraph_capture_sizes": list(getattr(cc, "cudagraph_capture_sizes", None) or [])}
+                "cudagraph_capture_sizes": list(getattr(cc, "cudagraph_capture_sizes", None) or []),
+                "cache_dtype": str(worker.vllm_config.cache_config.cache_dtype)}
         try:
             info["attention_backends"] = sorted({g.backend.get_name() for groups in runner.attn_groups
                                                  for g in groups})
@@ -233,6 +234,7 @@ def main(request: dict) -> dict:
               f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs)"
               if torch.cuda.is_available() else "CPU")
     report = {"vllm_version": vllm.__version__, "torch_version": torch.__version__, "device": device,
+              "device_memory_bytes": torch.cuda.mem_get_info(0)[1] if torch.cuda.is_available() else None,
               "engines": {}}
     for spec in request["engines"]:
         report["engines"][spec["label"]] = run_engine(request["checkpoint"], spec, log)

@@ -59,13 +59,13 @@ def weights_sha256(checkpoint: str | Path) -> str:
     return digest.hexdigest()
 
 
-def tokenize(checkpoint: str | Path) -> dict[str, list[int]]:
-    """PROMPTS as this machine's copy of the tiny tokenizer encodes them (with the BOS prefix
-    the tokenizer adds, as a server would)."""
+def tokenize(checkpoint: str | Path, texts: dict[str, str] | None = None) -> dict[str, list[int]]:
+    """`texts` (default PROMPTS) as this machine's copy of the tiny tokenizer encodes them (with
+    the BOS prefix the tokenizer adds, as a server would)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint))
-    return {name: list(tok(text)["input_ids"]) for name, text in PROMPTS.items()}
+    return {name: list(tok(text)["input_ids"]) for name, text in (texts or PROMPTS).items()}
 
 
 def load(path: Path = FIXTURE) -> dict:
