@@ -122,7 +122,8 @@ def render_table(record: dict, width: int = 96) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python tests/gpu/lane_record.py RECORD  -> finish it, print the table
+if __name__ == "__main__":  # python tests/gpu/lane_record.py RECORD [WHY]  -> finish it, print the table
     import sys
 
-    print(render_table(finish_record(Path(sys.argv[1]))))
+    why = sys.argv[2] if len(sys.argv) > 2 else "not run: no test recorded it (see the lane's log)"
+    print(render_table(finish_record(Path(sys.argv[1]), why_missing=why)))
