@@ -35,6 +35,7 @@ ISSUE_PAIR = ("issue-fibonacci", "issue-config")  # the eager-vs-graphs question
 EXTRA_PROMPTS = {"sparse-text": "The quick brown fox jumps over the lazy dog. " * 30,
                  "issue-fibonacci": lane_fixture.PROMPTS["fibonacci"],
                  "issue-config": lane_fixture.PROMPTS["config"]}
+STDLIB = "stdlib-384"  # the FP8-attention test's text (tests/vllm/test_plugin_fp8_attention.py)
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 MODES = {"eager": {"enforce_eager": True},
          "full": {"compilation_config": {"cudagraph_mode": "FULL"}},
@@ -178,7 +179,7 @@ def lane_prompts(checkpoint: Path) -> tuple[dict, dict | None, str]:
     """The fixture's token ids where its weights are these weights, plus the lane's own prompts
     tokenised here (the English one and the eager-vs-graphs pair as the issue ran them)."""
     local = lane_fixture.tokenize(checkpoint)
-    extra = lane_fixture.tokenize(checkpoint, EXTRA_PROMPTS)
+    extra = {**lane_fixture.tokenize(checkpoint, EXTRA_PROMPTS), STDLIB: stdlib_tokens(checkpoint)}
     if not lane_fixture.FIXTURE.exists():
         return {**local, **extra}, None, f"no fixture at {lane_fixture.FIXTURE.relative_to(REPO)}"
     fixture = lane_fixture.load()
@@ -191,12 +192,21 @@ def lane_prompts(checkpoint: Path) -> tuple[dict, dict | None, str]:
     return {**lane_fixture.prompt_ids(fixture), **extra}, fixture, note
 
 
+def stdlib_tokens(checkpoint: Path, n: int = 384) -> list[int]:
+    """The first `n` tokens of glmctl's fixed stdlib text, as the CPU lane's FP8-attention test
+    scores it: the text the quantised checkpoints' bounds were measured on."""
+    from glmctl.evals.corpus import stdlib_text
+    from glmctl.evals.tokenizer import HFTokenizer
+
+    return HFTokenizer(Path(checkpoint)).encode(stdlib_text().text[:20_000])[:n]
+
+
 def engine_specs(prompts: dict, target: Target = CUDA) -> dict[str, tuple[str, dict]]:
     """label -> (checkpoint label, engine request) for every engine of stages A and B."""
     args = target.engine_args
     names = list(prompts)
     fixture_names = [n for n in names if n in lane_fixture.PROMPTS]
-    greedy = {"tokens": GREEDY_TOKENS, "alone": names, "batches": [list(ISSUE_PAIR)]}
+    greedy = {"tokens": GREEDY_TOKENS, "alone": [n for n in names if n != STDLIB], "batches": [list(ISSUE_PAIR)]}
     base = {"prompts": prompts, "prompt_logprobs": names, "greedy": greedy}
     return {
         "eager": ("bf16", {**base, "llm": args("eager")}),
@@ -238,7 +248,8 @@ def run_lane(checkpoint: Path, work: Path, target: Target = CUDA, budget_s: floa
                reference_job(target, work, "ref_bf16", [{"label": "bf16", "path": str(checkpoint),
                                                          "dtypes": ["float32", "bfloat16"], "prompts": prompts,
                                                          "greedy": {"tokens": REFERENCE_GREEDY_TOKENS,
-                                                                    "prompts": list(prompts)}}], limit(150))]
+                                                                    "prompts": [n for n in prompts if n != STDLIB]}}],
+                             limit(150))]
     if target.parallel:
         for job in stage_a:
             job.start()

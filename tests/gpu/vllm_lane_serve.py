@@ -76,14 +76,23 @@ def _completion(base_url: str, model: str) -> dict:
             "text": choice["text"]}
 
 
-def main(request: dict) -> dict:
-    from glmctl.serving import profiles
-    from glmctl.serving.gpus import inventory
+def plan_args(prof, ckpt: str, gpus: list) -> list[str]:
+    """`glmctl plan` for the profile's setup on this node (its fixed KV space, if it has one)."""
+    args = ["plan", "--model", ckpt, "--max-model-len", str(prof.max_model_len), "--max-num-seqs",
+            str(prof.max_num_seqs), "--json"]
+    if prof.platform == "cpu":
+        return [*args, "--cpu", "--kv-cache-gib", prof.env.get("VLLM_CPU_KVCACHE_SPACE", "1")]
+    args += ["--num-gpus", "1", "--gpu-memory-gib", f"{gpus[0].total_gib:.4f}", "--gpu-memory-utilization",
+             str(prof.gpu_memory_utilization or 0.92)]
+    fixed = prof.vllm_args.get("kv-cache-memory-bytes")
+    return args + (["--kv-cache-gib", repr(int(fixed) / GIB)] if fixed is not None else [])
 
+
+def main(request: dict) -> dict:
     ckpt, port = request["checkpoint"], str(request["port"])
     report: dict = {}
     started = time.perf_counter()
-    err = open(Path(request["log"]), "w")  # noqa: SIM115 - the server's stderr for its whole life
+    err = open(Path(request["log"]), "w")  # the server's stderr, for its whole life
     serve = subprocess.Popen(glmctl("serve", "--profile", request["profile"], "--model", ckpt, "--port", port,
                                     "--json"), stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
                              start_new_session=True)
@@ -94,38 +103,44 @@ def main(request: dict) -> dict:
         if doc is None:
             report["error"] = (f"glmctl serve gave no ready document (exit {serve.poll()}); "
                                f"stderr: {Path(request['log']).read_text()[-3000:]}")
-            return report
-        base = doc["endpoint"].removesuffix("/v1")
-        report["completion"] = _completion(base, doc["model"])
-        report["bench"] = _run(glmctl("bench", "--url", base, "--sessions", "2", "--context", "1k",
-                                      "--output-tokens", "64", "--poll-interval", "0.2", "--json"), 180)
-        report["perplexity"] = _run(glmctl("eval", "perplexity", "--url", base, "--window", "512",
-                                           "--max-tokens", "2048", "--json"), 180)
-        prof = profiles.load(request["profile"])
-        gpus = inventory()
-        fixed = prof.vllm_args.get("kv-cache-memory-bytes")
-        plan = ["plan", "--model", ckpt, "--num-gpus", "1", "--gpu-memory-gib", f"{gpus[0].total_gib:.4f}",
-                "--max-model-len", str(prof.max_model_len), "--max-num-seqs", str(prof.max_num_seqs),
-                "--gpu-memory-utilization", str(prof.gpu_memory_utilization or 0.92), "--json"]
-        if fixed is not None:
-            plan += ["--kv-cache-gib", repr(int(fixed) / GIB)]
-        report["plan"] = _run(glmctl(*plan), 60)
-        log = Path(doc["log"])
-        text = log.read_text(errors="replace") if log.exists() else ""
-        report["log_plugin_lines"] = [ln[-300:] for ln in text.splitlines() if "glmctl plugin:" in ln][:6]
-        report["log_errors"] = [ln[-300:] for ln in text.splitlines() if " ERROR " in ln][:6]
-    finally:
-        if serve.poll() is None:
-            serve.send_signal(signal.SIGINT)  # what Ctrl-C does
-            try:
-                report["exit_status"] = serve.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, signal.SIGKILL)
-                report["exit_status"] = f"killed: still running 90 s after SIGINT ({serve.wait(10)})"
         else:
-            report.setdefault("exit_status", serve.returncode)
+            _after_ready(report, request, doc, ckpt)
+    except Exception as exc:  # noqa: BLE001 - the server is stopped below and the report kept
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        _stop(serve, report)
         err.close()
     return report
+
+
+def _after_ready(report: dict, request: dict, doc: dict, ckpt: str) -> None:
+    from glmctl.serving import profiles
+    from glmctl.serving.gpus import inventory
+
+    base = doc["endpoint"].removesuffix("/v1")
+    report["completion"] = _completion(base, doc["model"])
+    report["bench"] = _run(glmctl("bench", "--url", base, "--sessions", "2", "--context", "1k",
+                                  "--output-tokens", "64", "--poll-interval", "0.2", "--json"), 180)
+    report["perplexity"] = _run(glmctl("eval", "perplexity", "--url", base, "--window", "512",
+                                       "--max-tokens", "2048", "--json"), 180)
+    report["plan"] = _run(glmctl(*plan_args(profiles.load(request["profile"]), ckpt, inventory())), 60)
+    log = Path(doc["log"])
+    text = log.read_text(errors="replace") if log.exists() else ""
+    report["log_plugin_lines"] = [ln[-300:] for ln in text.splitlines() if "glmctl plugin:" in ln][:6]
+    report["log_errors"] = [ln[-300:] for ln in text.splitlines() if " ERROR " in ln][:6]
+
+
+def _stop(serve: subprocess.Popen, report: dict) -> None:
+    """Ctrl-C (SIGINT) to `glmctl serve`, as an operator stops it; its exit status."""
+    if serve.poll() is not None:
+        report.setdefault("exit_status", serve.returncode)
+        return
+    serve.send_signal(signal.SIGINT)
+    try:
+        report["exit_status"] = serve.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(serve.pid, signal.SIGKILL)
+        report["exit_status"] = f"killed: still running 90 s after SIGINT ({serve.wait(10)})"
 
 
 if __name__ == "__main__":
