@@ -126,7 +126,8 @@ def _after_ready(report: dict, request: dict, doc: dict, ckpt: str) -> None:
     report["plan"] = _run(glmctl(*plan_args(profiles.load(request["profile"]), ckpt, inventory())), 60)
     log = Path(doc["log"])
     text = log.read_text(errors="replace") if log.exists() else ""
-    report["log_plugin_lines"] = [ln[-300:] for ln in text.splitlines() if "glmctl plugin:" in ln][:6]
+    report["log_plugin_lines"] = [ln[ln.index("glmctl plugin:"):][:300] for ln in text.splitlines()
+                                  if "glmctl plugin:" in ln][:6]
     report["log_errors"] = [ln[-300:] for ln in text.splitlines() if " ERROR " in ln][:6]
 
 
