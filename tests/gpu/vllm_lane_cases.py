@@ -131,9 +131,9 @@ def graphs_case(run: LaneRun, label: str) -> Case:
     lines, defects = divergence_text(found)
     mode = e["config"].get("cudagraph_mode")
     parts = [f"resolved cudagraph_mode {mode}, compilation mode {e['config'].get('compilation_mode')}",
-             *parts, f"prompt log p vs eager: mean |d| {same_pl.mean:.1e}, p99 {same_pl.p99:.1e}"
-             + ("" if same_pl.passed else f" FAILED {same_pl.failures}"),
-             *(lines or ["greedy: the same tokens as eager, alone and batched"])]
+             *(lines or ["greedy: the same tokens as eager, alone and batched"]),
+             f"prompt log p vs eager: mean |d| {same_pl.mean:.1e}, p99 {same_pl.p99:.1e}"
+             + ("" if same_pl.passed else f" FAILED {same_pl.failures}"), *parts]
     data.update(divergences=[{"runs": lab, **d.as_data()} for lab, d in found], vs_eager=same_pl.as_data())
     return Case(label, ok and same_pl.passed and not defects and mode not in (None, "NONE"), "; ".join(parts), data)
 
