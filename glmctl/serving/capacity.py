@@ -9,6 +9,7 @@ at the slots: the report's rule) reaches `max_num_seqs`. The node is the GPUs pr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from glmctl.errors import GlmctlError
@@ -93,7 +94,28 @@ def _node(launch: RenderedLaunch, gpus, plan):
     if not gpus:
         return None
     used = gpus[: launch.profile.tensor_parallel_size]
-    return plan.gpu_node(num_gpus=len(used), gpu_memory_gib=min(g.total_gib for g in used))
+    fixed = _size_bytes(launch.profile.vllm_args.get("kv-cache-memory-bytes"))
+    return plan.gpu_node(num_gpus=len(used), gpu_memory_gib=min(g.total_gib for g in used),
+                         kv_cache_gib=None if fixed is None else fixed / GIB)
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def _size_bytes(value) -> int | None:
+    """vLLM's --kv-cache-memory-bytes (a fixed KV space per GPU; vLLM then skips its memory
+    profile): an integer, or vLLM's human-readable form (k/m/g/t decimal, K/M/G/T binary)."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    match = _SIZE.fullmatch(str(value).strip())
+    if match is None:
+        return None
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[suffix]
+    return int(float(number) * scale)
 
 
 def _longest_single_request(launch: RenderedLaunch, plan, model, node, high: int) -> int:

@@ -11,6 +11,7 @@ from glmctl import paths
 from glmctl.plan.presets import PRESETS
 from glmctl.serving import capacity, preflight, profiles, render
 from glmctl.serving.gpus import Gpu
+from tests.conftest import REPO
 
 L40 = [Gpu(i, "NVIDIA L40", (8, 9), 44.4, 44.3) for i in range(8)]  # CUDA-visible 44.4 GiB
 
@@ -68,3 +69,25 @@ def test_no_prediction_for_a_model_the_planner_does_not_know(tmp_path):
 def test_no_gpus_no_prediction(exl3_config):
     verdict = capacity.predict(_launch("commercial", exl3_config), [])
     assert not verdict.available and "no GPUs" in verdict.note
+
+
+def test_a_fixed_kv_space_is_planned_as_vllm_splits_it(tmp_path):
+    """`kv-cache-memory-bytes` (the gpu lane's tiny-gpu profile): vLLM skips its memory profile
+    and splits exactly that space, so the prediction is the planner's for that fixed space."""
+    import glmctl.plan as plan
+    from glmctl.plan import gpu_node, load_model_spec, plan_capacity
+    from glmctl.testing.tiny_checkpoint import TinySpec, hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(TinySpec(), {"stop_token_ids": [0], "pad_token_id": 0})))
+    launch = _launch(str(REPO / "tests" / "gpu" / "tiny-gpu.yaml"), tmp_path)
+    h200 = [Gpu(0, "NVIDIA H200", (9, 0), 139.8, 139.0)]
+    verdict = capacity.predict(launch, h200)
+    fixed = launch.profile.vllm_args["kv-cache-memory-bytes"]
+    model = load_model_spec(tmp_path)
+    node = gpu_node(num_gpus=1, gpu_memory_gib=139.8, kv_cache_gib=fixed / 2**30)
+    expected = plan_capacity(model, node, capacity._setup(launch, plan, model))
+    assert verdict.available and verdict.fits and verdict.kv_tokens == expected.kv_tokens
+    assert expected.kv_pool_bytes == fixed
+    assert capacity._size_bytes("1G") == 2**30 and capacity._size_bytes("1g") == 10**9
+    assert capacity._size_bytes("1073741824") == capacity._size_bytes(2**30) == 2**30
+    assert capacity._size_bytes(None) is None and capacity._size_bytes("lots") is None
