@@ -339,7 +339,7 @@ def _threshold_configs():
         shipped,
         C("thr-r8-c512-cap512-w16", rows=8, cols=512, cap=512, num_warps=16),
         C("thr-r16-c256-cap512-w8", rows=16, cols=256, cap=512, num_warps=8),
-        C("thr-r4-c1024-cap1024-w8", rows=4, cols=1024, cap=1024, num_warps=8),
+        C("thr-r4-c1024-cap1024-w16", rows=4, cols=1024, cap=1024, num_warps=16),
         C("thr-r8-c512-cap512-w8-t4", rows=8, cols=512, cap=512, num_warps=8, t0_steps=4),
         C("thr-r16-c512-cap512-w16", rows=16, cols=512, cap=512, num_warps=16),
         C("thr-r8-c256-cap256-w4", rows=8, cols=256, cap=256, num_warps=4),

@@ -45,7 +45,7 @@ def _kth_key(keys, ok, k, STEPS: tl.constexpr):
     prefix = tl.zeros([], tl.int64)
     remaining = tl.full([], k, tl.int32)
     for step in tl.static_range(STEPS):
-        shift: tl.constexpr = 28 - 4 * step
+        shift = 28 - 4 * step
         match = ok
         if step > 0:
             match = ok & ((keys >> (shift + 4)) == (prefix >> (shift + 4)))

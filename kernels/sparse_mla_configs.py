@@ -87,8 +87,7 @@ _FP8_CANDIDATES = [
 ]
 DECODE_CANDIDATES = {
     KV_FP8: _FP8_CANDIDATES,
-    KV_FP8_DS_MLA: [c for c in _FP8_CANDIDATES if c.block_n * (c.num_stages if c.reload else 1)
-                    <= 96],
+    KV_FP8_DS_MLA: _FP8_CANDIDATES,
     KV_BF16: [
         _cfg(HM, 64, 4, 2),
         _cfg(HM, 32, 4, 2, per_sm=3),
