@@ -253,6 +253,8 @@ def main() -> int:
     parser.add_argument("--peers", type=Path, help="folder with the peers' files")
     parser.add_argument("--sweep", action="store_true", help="time every candidate config")
     parser.add_argument("--sweep-only", action="store_true", help="the sweep and nothing else")
+    parser.add_argument("--sweep-kernels", default="decode,indexer,topk",
+                        help="which kernels --sweep / --shard cover")
     parser.add_argument("--prefill", action="store_true", help="also one prefill case")
     parser.add_argument("--shard", help="I/N: compile every N-th sweep job (untimed) and exit")
     parser.add_argument("--ncu", action="store_true", help="one launch per main kernel")
@@ -266,7 +268,7 @@ def main() -> int:
         import kernels_sweep
 
         shard, shards = (int(x) for x in args.shard.split("/"))
-        kernels_sweep.warm(shard, shards)
+        kernels_sweep.warm(shard, shards, args.sweep_kernels.split(","))
         return 0
     if args.ncu:
         run_ncu_cases([c for c in args.ncu_configs.split(",") if c])
@@ -293,7 +295,8 @@ def main() -> int:
     if args.sweep or args.sweep_only:
         import kernels_sweep
 
-        steps.append(("sweep", lambda: kernels_sweep.sweep(results, copy_bw)))
+        steps.append(("sweep", lambda: kernels_sweep.sweep(results, copy_bw,
+                                                           args.sweep_kernels.split(","))))
     if not args.sweep_only:
         steps += [("decode", lambda: bench_decode(results, copy_bw, sms, peers)),
                   ("indexer", lambda: bench_indexer(results, copy_bw, peers)),

@@ -97,25 +97,29 @@ def _topk_job(cfg, rows):
     return call, logits.numel() * 4, {"kernel": "topk", "config": name, "rows": rows}
 
 
-def jobs() -> list:
-    """(builder, args) in a fixed order (shards index into it)."""
+KINDS = ("decode", "indexer", "topk")
+
+
+def jobs(kinds=KINDS) -> list:
+    """(builder, args) in a fixed order (shards index into it), for the kernels named."""
     out = []
-    for fmt, cands in DECODE_CANDIDATES.items():
+    for fmt, cands in (DECODE_CANDIDATES.items() if "decode" in kinds else ()):
         for cfg in cands:
             for splits in DECODE_SPLITS:
                 out.append((_decode_job, (fmt, cfg, splits)))
-    for cfg in paged.PAGED_CANDIDATES:
+    for cfg in (paged.PAGED_CANDIDATES if "indexer" in kinds else ()):
         for requests, next_n in INDEXER_CASES:
             out.append((_indexer_job, (cfg, requests, next_n)))
-    for cfg in list(topk.TOPK_CANDIDATES) + ["radix-two-stage", "radix-one-pass"]:
+    for cfg in (list(topk.TOPK_CANDIDATES) + ["radix-two-stage", "radix-one-pass"]
+                if "topk" in kinds else ()):
         for rows in TOPK_ROWS:
             out.append((_topk_job, (cfg, rows)))
     return out
 
 
-def warm(shard: int, shards: int) -> None:
+def warm(shard: int, shards: int, kinds=KINDS) -> None:
     """Compile (run once, untimed) every ``shards``-th job starting at ``shard``."""
-    for i, (build, args) in enumerate(jobs()):
+    for i, (build, args) in enumerate(jobs(kinds)):
         if i % shards == shard:
             try:
                 build(*args)[0]()
@@ -124,10 +128,10 @@ def warm(shard: int, shards: int) -> None:
     torch.cuda.synchronize()
 
 
-def sweep(results: dict, copy_bw: float) -> None:
+def sweep(results: dict, copy_bw: float, kinds=KINDS) -> None:
     """Time every job; rows go to results['sweep'] (us, frac_copy or error)."""
     rows = results.setdefault("sweep", [])
-    for build, args in jobs():
+    for build, args in jobs(kinds):
         kc.check_deadline()
         try:
             call, moved, row = build(*args)
@@ -140,7 +144,7 @@ def sweep(results: dict, copy_bw: float) -> None:
         rows.append(row)
         print("sweep " + json.dumps(row), flush=True)
     # The three fastest decode configs per format also at 8 and 128 rows (planner's splits).
-    for fmt in DECODE_CANDIDATES:
+    for fmt in (DECODE_CANDIDATES if "decode" in kinds else ()):
         timed = sorted((r for r in rows if r.get("kernel") == "decode" and r.get("kv") == fmt
                         and "us" in r and r["rows"] == DECODE_ROWS), key=lambda r: r["us"])
         names = list(dict.fromkeys(r["config"] for r in timed))[:3]
