@@ -18,20 +18,28 @@ which is what vLLM 0.30 calls on Hopper:
   values multiplied exactly and summed in fp32. Columns at or past the context length are -inf
   in the reference and unspecified (not written) in the kernel; the top-k never reads them.
 
-Kernel: a fixed grid (``num_programs`` + B programs, default 2 per SM: it never depends on the
-lengths, so it can be captured in a CUDA graph). Every program reads the context lengths on the
-device and gives each request a share of the programs in proportion to its ``BLOCK_N``-pool
-tiles; a program then walks a contiguous run of one request's tiles (a branch-free loop that
-Triton software-pipelines). A tile's keys are read once for all ``N`` query tokens and ``H``
-heads of its request: one ``[BLOCK_N, 128] x [128, N*H]`` product with the keys as the M operand,
-so the per-head weighted sum is a reduction along the product's columns. The fp8 values enter
-the tensor cores as fp16 (exact) and products accumulate in fp32; Hopper's fp8 MMA accumulates
-with too few bits for an indexer whose head sum cancels.
+Kernels (graph safe: lengths are read on the device; no allocation, no host sync):
+
+* page grid (the default, :data:`PAGED_CONFIGS`): grid ``(B, cdiv(max_pools, block_n * tiles))``
+  with ``max_pools`` = the block table's width x ``page_pools``, so it is fixed for a captured
+  batch size (it depends on B and the block table's width only); a program scores ``tiles``
+  consecutive ``block_n``-pool tiles of one request and programs past the request's context exit
+  at once. Many small programs keep many page reads in flight.
+* balanced: a fixed grid (``num_programs`` + B programs, default 2 per SM); every program reads
+  the context lengths and gives each request a share of the programs in proportion to its
+  ``BLOCK_N``-pool tiles, then walks a contiguous run of one request's tiles.
+
+In both, a tile's keys are read once for all ``N`` query tokens and ``H`` heads of its request:
+one ``[BLOCK_N, 128] x [128, N*H]`` product with the keys as the M operand, so the per-head
+weighted sum is a reduction along the product's columns. The fp8 values enter the tensor cores
+as fp16 (exact) and products accumulate in fp32; Hopper's fp8 MMA accumulates with too few bits
+for an indexer whose head sum cancels.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,10 +48,58 @@ import triton.language as tl
 from .layouts import INDEXER_HEAD_DIM, indexer_page_views
 from .triton_env import dot_dtype, interpreting
 
-# (BLOCK_N, num_warps, num_stages, prefetch); compiled for sm_89 in
-# tests/unit/test_kernels_sm89.py. The configuration measured in bench/results/kernels-h200.md;
-# the prefetching loop (prefetch=True) passes the GPU tests but has not been timed yet.
+# The balanced kernel's (BLOCK_N, num_warps, num_stages, prefetch), as measured in
+# bench/results/kernels-h200.md.
 PAGED_CONFIG = (64, 4, 2, False)
+
+KERNEL_BALANCED = "balanced"
+KERNEL_PAGE_GRID = "page_grid"
+
+
+@dataclass(frozen=True)
+class PagedLogitsConfig:
+    """A launch configuration of the paged logits: ``kernel`` is ``KERNEL_PAGE_GRID`` (grid
+    ``(B, cdiv(max_pools, block_n * tiles))``: a program scores ``tiles`` consecutive tiles of
+    ``block_n`` pools of one request) or ``KERNEL_BALANCED`` (the fixed grid of ``PAGED_CONFIG``
+    sharing programs between requests by their lengths)."""
+
+    name: str
+    kernel: str = KERNEL_PAGE_GRID
+    block_n: int = 64
+    tiles: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    prefetch: bool = False
+
+
+def _grid_cfg(block_n, tiles, warps, stages, prefetch=False):
+    return PagedLogitsConfig(f"grid-n{block_n}-t{tiles}-w{warps}-s{stages}"
+                             f"{'-prefetch' if prefetch else ''}", KERNEL_PAGE_GRID, block_n,
+                             tiles, warps, stages, prefetch)
+
+
+BALANCED = PagedLogitsConfig("balanced", KERNEL_BALANCED, block_n=PAGED_CONFIG[0],
+                             num_warps=PAGED_CONFIG[1], num_stages=PAGED_CONFIG[2],
+                             prefetch=PAGED_CONFIG[3])
+# The shipped configuration per query tokens per request (1, or 1 + MTP drafts), and what the
+# bench sweeps; each is compiled for sm_89 in tests/unit/test_kernels_sm89.py.
+PAGED_CONFIGS = {1: _grid_cfg(64, 2, 4, 2), 4: _grid_cfg(64, 2, 4, 2)}
+PAGED_CANDIDATES = [
+    BALANCED,
+    _grid_cfg(64, 1, 4, 1),
+    _grid_cfg(64, 2, 4, 2),
+    _grid_cfg(64, 4, 4, 2),
+    _grid_cfg(64, 4, 4, 3),
+    _grid_cfg(64, 4, 4, 1, prefetch=True),
+    _grid_cfg(128, 2, 8, 2),
+    _grid_cfg(32, 4, 2, 2),
+]
+
+
+def paged_config(next_n: int) -> PagedLogitsConfig:
+    """The shipped configuration for ``next_n`` query tokens per request."""
+    fitting = sorted(n for n in PAGED_CONFIGS if n >= next_n)
+    return PAGED_CONFIGS[fitting[0] if fitting else max(PAGED_CONFIGS)]
 
 
 @triton.jit
@@ -146,6 +202,58 @@ def _indexer_logits_paged_kernel(
                             DOT_DTYPE)
 
 
+@triton.jit
+def _indexer_logits_page_grid_kernel(
+    q_ptr, w_ptr, kv_ptr, kv_f32_ptr, page_stride,
+    bt_ptr, bt_stride, ctx_ptr, out_ptr, out_stride,
+    N: tl.constexpr, N_PAD: tl.constexpr, H: tl.constexpr, PAGE_POOLS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Program (request, chunk): tiles [chunk * TILES, + TILES) of the request; programs past
+    the request's longest context exit at once (the grid is fixed by the block table's width)."""
+    req = tl.program_id(0)
+    first = tl.program_id(1) * TILES
+    toks = tl.arange(0, N_PAD)
+    ctx = tl.load(ctx_ptr + req * N + toks, mask=toks < N, other=0)
+    ctx_max = tl.max(ctx, axis=0)
+    if first * BLOCK_N < ctx_max:
+        last = tl.minimum(first + TILES, (ctx_max + BLOCK_N - 1) // BLOCK_N)
+        cols = tl.arange(0, N_PAD * H)  # query column = n * H + h
+        col_ok = cols < N * H
+        d = tl.arange(0, 128)
+        base = req.to(tl.int64) * N * H
+        q = tl.load(q_ptr + (base + cols[:, None]) * 128 + d[None, :], mask=col_ok[:, None],
+                    other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_ptr + base + cols, mask=col_ok, other=0.0)
+        out_rows = (req * N + toks).to(tl.int64) * out_stride
+        bt_row = bt_ptr + req.to(tl.int64) * bt_stride
+        if PREFETCH:
+            pools = first * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = pools < ctx_max
+            page = tl.load(bt_row + pools // PAGE_POOLS, mask=ok, other=0)
+            k_next, scale_next = _load_keys(kv_ptr, kv_f32_ptr, page, pools, ok, page_stride,
+                                            PAGE_POOLS)
+            for tile in range(first, last):
+                k, k_scale = k_next, scale_next
+                pools = (tile + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = pools < tl.minimum(ctx_max, last * BLOCK_N)
+                page = tl.load(bt_row + pools // PAGE_POOLS, mask=ok, other=0)
+                k_next, scale_next = _load_keys(kv_ptr, kv_f32_ptr, page, pools, ok,
+                                                page_stride, PAGE_POOLS)
+                _score_tile(k, k_scale, q, w, ctx, tile, out_ptr, out_rows, N, N_PAD, H,
+                            BLOCK_N, DOT_DTYPE)
+        else:
+            for tile in range(first, last):
+                pools = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = pools < ctx_max
+                page = tl.load(bt_row + pools // PAGE_POOLS, mask=ok, other=0)
+                k, k_scale = _load_keys(kv_ptr, kv_f32_ptr, page, pools, ok, page_stride,
+                                        PAGE_POOLS)
+                _score_tile(k, k_scale, q, w, ctx, tile, out_ptr, out_rows, N, N_PAD, H,
+                            BLOCK_N, DOT_DTYPE)
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -160,27 +268,41 @@ def default_num_programs(device: torch.device) -> int:
 
 def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, context_lens: torch.Tensor,
-                         out: torch.Tensor, num_programs: int | None = None) -> torch.Tensor:
-    """Triton kernel; same contract as :func:`indexer_logits_paged_ref` (see module doc)."""
+                         out: torch.Tensor, num_programs: int | None = None,
+                         config: PagedLogitsConfig | None = None) -> torch.Tensor:
+    """Triton kernel; same contract as :func:`indexer_logits_paged_ref` (see module doc).
+    ``config``: a :class:`PagedLogitsConfig` (default :func:`paged_config`); ``num_programs``
+    sizes the balanced kernel's grid (default two per SM)."""
     num_req, next_n, heads, dim = q_fp8.shape
     assert dim == INDEXER_HEAD_DIM and q_fp8.is_contiguous() and weights.is_contiguous()
     assert context_lens.is_contiguous() and context_lens.numel() == num_req * next_n
     assert out.stride(1) == 1 and block_table.stride(1) == 1
     if num_req == 0:
         return out
-    page_values, _ = indexer_page_views(kv_cache)
-    block_n, num_warps, num_stages, prefetch = PAGED_CONFIG
+    indexer_page_views(kv_cache)  # validates the layout
+    cfg = config or paged_config(next_n)
+    page_pools = kv_cache.shape[1]
+    common = dict(N=next_n, N_PAD=triton.next_power_of_2(next_n), H=heads, PAGE_POOLS=page_pools,
+                  DOT_DTYPE=dot_dtype(tl.float16))
+    args = (q_fp8, weights, kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32),
+            kv_cache.stride(0), block_table, block_table.stride(0), context_lens, out,
+            out.stride(0))
+    if cfg.kernel == KERNEL_PAGE_GRID:
+        max_pools = block_table.shape[1] * page_pools
+        grid = (num_req, triton.cdiv(max_pools, cfg.block_n * cfg.tiles))
+        _indexer_logits_page_grid_kernel[grid](
+            *args, BLOCK_N=cfg.block_n, TILES=cfg.tiles, PREFETCH=cfg.prefetch,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+        return out
+    block_n, num_warps, num_stages, prefetch = (PAGED_CONFIG if config is None else
+                                                (cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                                 cfg.prefetch))
     if num_programs is None:
         num_programs = default_num_programs(q_fp8.device)
     _indexer_logits_paged_kernel[(num_programs + num_req,)](
-        q_fp8, weights, kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32),
-        kv_cache.stride(0), block_table, block_table.stride(0), context_lens, out, out.stride(0),
-        num_req, num_programs,
-        N=next_n, N_PAD=triton.next_power_of_2(next_n), H=heads, PAGE_POOLS=kv_cache.shape[1],
-        BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(num_req)),
-        DOT_DTYPE=dot_dtype(tl.float16), PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        *args, num_req, num_programs, BLOCK_N=block_n,
+        BLOCK_B=max(16, triton.next_power_of_2(num_req)), PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=num_stages, **common)
     return out
 
 

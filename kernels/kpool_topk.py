@@ -15,18 +15,22 @@
   ``kpool * n + i`` for ``i < seq_len - kpool * n``, then -1; every later column is -1. These are
   request-logical token positions, as vLLM's ``expand_pools_and_append_tail`` writes them.
 
-Kernels (graph safe: lengths read on the device, no allocation; every output column is written
-exactly once). The selection is an exact radix select: logits map to order-preserving 32-bit
-keys, and four passes histogram one 8-bit digit each among the keys matching the digits chosen
-so far, which yields the ``select_pools``-th largest key; a last pass in index order keeps the
-keys above it and the first ties, so the result is deterministic and sorted by pool.
+Kernels (graph safe: lengths read on the device, no allocation, one program per row or per
+slice, every grid fixed by the row count). The default is the threshold kernel of
+:mod:`.kpool_topk_threshold` (:data:`THRESHOLD_CONFIG`): two passes over a row, then an exact
+select among a few hundred candidates, with this module's radix kernel as its fallback for rows
+whose candidates overflow. ``config=RADIX`` selects the radix kernels: logits map to
+order-preserving 32-bit keys, and four passes histogram one 8-bit digit each among the keys
+matching the digits chosen so far, which yields the ``select_pools``-th largest key; a last pass
+in index order keeps the keys above it and the first ties, so the result is deterministic and
+sorted by pool. Every path gives the same output:
 
-* without a workspace: one program per row does it all (enough for prefill, which has many rows);
+* without a workspace: one program per row does it all;
 * with :func:`kpool_topk_workspace` (decode, few rows): stage 1 splits each row of more than
   ``direct_max`` pools into ``slices`` programs that each keep their slice's best
   ``select_pools`` (value, pool) candidates; stage 2 selects among the candidates (shorter rows
-  are selected in one pass by stage 2; the choice is made per row on the device). The best pools of a row are among its slices' best, and ties
-  still go to the lowest pools, so both paths give identical output.
+  are selected in one pass by stage 2; the choice is made per row on the device). The best pools
+  of a row are among its slices' best, and ties still go to the lowest pools.
 """
 
 from __future__ import annotations
@@ -42,6 +46,23 @@ TOPK_CONFIG = (1024, 4)
 # With a workspace, rows of at most this many pools still take the one-pass path (stage 2 alone):
 # measured on the H200, splitting pays only above ~64k tokens (4096 pools).
 DIRECT_MAX_POOLS = 4096
+# kpool_topk(config=RADIX): the radix kernels below (one pass, or two stages with a workspace).
+RADIX = "radix"
+
+
+@dataclass(frozen=True)
+class ThresholdTopkConfig:
+    """The threshold kernel (:mod:`.kpool_topk_threshold`): ``rows`` x ``cols`` logits per step
+    of its row passes (``cols`` is also its column count), candidate capacity ``cap``,
+    ``num_warps``, and ``t0_steps`` 4-bit digits of the column-maximum bound resolved (8 =
+    exact; fewer = a coarser, lower bound: more candidates, fewer steps)."""
+
+    name: str
+    rows: int = 8
+    cols: int = 512
+    cap: int = 512
+    num_warps: int = 8
+    t0_steps: int = 8
 
 
 @triton.jit
@@ -230,14 +251,25 @@ def kpool_topk_workspace(max_rows: int, select_pools: int, num_sms: int,
 def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, kpool: int,
                select_pools: int, row_starts: torch.Tensor | None = None,
                workspace: KpoolTopkWorkspace | None = None,
-               direct_max: int = DIRECT_MAX_POOLS) -> torch.Tensor:
-    """Triton kernels; same contract as :func:`kpool_topk_ref` (see module doc). With a
-    workspace, rows of more than ``direct_max`` pools are split into slices first."""
+               direct_max: int = DIRECT_MAX_POOLS, config=None) -> torch.Tensor:
+    """Triton kernels; same contract as :func:`kpool_topk_ref` (see module doc). ``config``:
+    a :class:`.kpool_topk_threshold.ThresholdTopkConfig` (default :data:`THRESHOLD_CONFIG`) or
+    :data:`RADIX` for the radix kernels, with which a workspace splits rows of more than
+    ``direct_max`` pools into slices first (the threshold kernel needs no workspace)."""
     num_rows = logits.shape[0]
     assert out.dtype == torch.int32 and out.stride(1) == 1 and logits.stride(1) == 1
     assert out.shape[1] >= select_pools * kpool + kpool - 1 and kpool & (kpool - 1) == 0
     if num_rows == 0:
         return out
+    config = THRESHOLD_CONFIG if config is None else config
+    if config is not RADIX:
+        from .kpool_topk_threshold import launch_kpool_topk_threshold, threshold_capacity
+
+        cap = threshold_capacity(config, select_pools, kpool)
+        if cap:
+            return launch_kpool_topk_threshold(logits, seq_lens, out, kpool=kpool,
+                                               select_pools=select_pools,
+                                               row_starts=row_starts, config=config, cap=cap)
     block, num_warps = TOPK_CONFIG
     starts = row_starts if row_starts is not None else seq_lens
     merge = workspace is not None
@@ -297,3 +329,24 @@ def kpool_topk_ref(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tens
     out[:, history : history + kpool - 1] = torch.where(
         tail_tok < seq[:, None], tail_tok, -1).to(out.dtype)
     return out
+
+
+def _threshold_configs():
+    C = ThresholdTopkConfig
+
+    shipped = C("thr-r8-c512-cap512-w8", rows=8, cols=512, cap=512, num_warps=8)
+    candidates = [
+        shipped,
+        C("thr-r8-c512-cap512-w16", rows=8, cols=512, cap=512, num_warps=16),
+        C("thr-r16-c256-cap512-w8", rows=16, cols=256, cap=512, num_warps=8),
+        C("thr-r4-c1024-cap1024-w16", rows=4, cols=1024, cap=1024, num_warps=16),
+        C("thr-r8-c512-cap512-w8-t4", rows=8, cols=512, cap=512, num_warps=8, t0_steps=4),
+        C("thr-r16-c512-cap512-w16", rows=16, cols=512, cap=512, num_warps=16),
+        C("thr-r8-c256-cap256-w4", rows=8, cols=256, cap=256, num_warps=4),
+    ]
+    return shipped, candidates
+
+
+# The shipped threshold configuration and what the bench sweeps (each compiled for sm_89 in
+# tests/unit/test_kernels_sm89.py).
+THRESHOLD_CONFIG, TOPK_CANDIDATES = _threshold_configs()

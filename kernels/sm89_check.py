@@ -1,19 +1,31 @@
-"""Cross-compile every shipped kernel configuration for Ada (sm_89) and report its resources.
+"""Cross-compile every shipped and every benchmarked kernel configuration for Ada (sm_89) and
+report its resources.
 
 ``python -m glmctl.kernels.sm89_check`` prints one JSON line per configuration: kernel, config,
 ``shared`` (bytes of shared memory per block, which must stay <= 99 KB = 101376 B on sm_89),
-registers spilled to local memory, and whether the PTX uses Hopper-only ``wgmma``. Works on a
-machine without a GPU (``triton.compile`` with ``GPUTarget("cuda", 89, 32)``); run it in a
-process where ``TRITON_INTERPRET`` is unset. ``tests/unit/test_kernels_sm89.py`` runs it.
+``regs`` and ``spills`` (SASS local-memory instructions, from the cubin; None when Triton ships no
+``cuobjdump``), PTX local loads, and whether the PTX uses Hopper-only ``wgmma``. Arguments are
+specialised as Triton's JIT specialises the real calls (pointers 16-byte aligned, the strides
+and sizes named in ``DIVISIBLE`` divisible by 16), which is what makes the gathers vectorise.
+Works on a machine without a GPU (``triton.compile`` with ``GPUTarget("cuda", 89, 32)``); run it
+in a process where ``TRITON_INTERPRET`` is unset. ``tests/unit/test_kernels_sm89.py`` runs it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 SM89_SHARED_LIMIT = 101376
+# Integer arguments the real calls pass as multiples of 16 (TP8 shapes and vLLM's layouts: row
+# strides of 512 / 656 / 1024 elements or bytes, 2176-wide index rows, page strides of 8448 B).
+DIVISIBLE = {"q_stride_t", "q_stride_h", "row_stride", "num_rows", "idx_stride_t", "topk",
+             "out_stride_t", "out_stride_s", "out_stride_h", "split_len", "page_stride",
+             "bt_stride", "out_stride", "logits_stride"}
 
 
 def shipped_configs():
@@ -37,18 +49,32 @@ def shipped_configs():
         out_ptr="*fp32", out_stride_t=i64, out_stride_s=i64, out_stride_h=i64, lse_ptr="*fp32",
         lse_stride_t=i64, lse_stride_s=i64, num_heads=i32, sm_scale_log2=f32, split_len=i32,
     )
-    configs = {(fmt,) + cfg for (fmt, _), cfg in sparse_mla_prefill.PREFILL_CONFIGS.items()}
-    configs |= {(fmt,) + cfg for (fmt, _), cfg in sparse_mla_decode.DECODE_CONFIGS.items()}
-    for fmt, block_h, block_n, warps, stages, prefetch in sorted(configs):
+    from . import sparse_mla_configs, sparse_mla_heads_n
+
+    # Prefill runs the tile-skipping loop, decode the branch-free one (see sparse_mla_prefill).
+    configs = {(fmt, cfg, "prefill") for (fmt, _), cfg in
+               sparse_mla_configs.PREFILL_CONFIGS.items()}
+    configs |= {(fmt, cfg, "decode") for (fmt, _), cfg in
+                sparse_mla_configs.DECODE_CONFIGS.items()}
+    configs |= {(fmt, cfg, "decode") for fmt, cfgs in
+                sparse_mla_configs.DECODE_CANDIDATES.items() for cfg in cfgs}
+    for fmt, cfg, use in sorted(configs, key=lambda c: (c[0], c[2], c[1].name)):
         fp8 = fmt != "bf16"
         types = dict(mla_types, kv_ptr="*fp8e4nv" if fp8 else "*bf16")
-        yield (f"sparse_mla[{fmt} h{block_h} n{block_n} w{warps} s{stages}"
-               f"{' prefetch' if prefetch else ''}]", sparse_mla_prefill._sparse_mla_kernel, types,
-               dict(KV_MODE=sparse_mla_prefill.KV_MODES[fmt], PARTIAL=True, BLOCK_H=block_h,
-                    BLOCK_N=block_n,
-                    SCALE_OFFSET=512, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
-                    SKIP_EMPTY=not prefetch, PREFETCH=prefetch),
-               dict(num_warps=warps, num_stages=stages))
+        dot = tl.float16 if fp8 else tl.bfloat16
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        tag = f"{fmt} {cfg.name}{' prefill' if use == 'prefill' else ''}"
+        if cfg.layout == sparse_mla_configs.LAYOUT_HEADS_N:
+            yield (f"sparse_mla_heads_n[{tag}]", sparse_mla_heads_n._sparse_mla_heads_n_kernel,
+                   types, dict(KV_MODE=sparse_mla_heads_n.KV_MODES[fmt], HP=8,
+                               BLOCK_N=cfg.block_n, SCALE_OFFSET=512, DOT_DTYPE=dot,
+                               RELOAD=cfg.reload), options)
+            continue
+        yield (f"sparse_mla[{tag}]", sparse_mla_prefill._sparse_mla_kernel, types,
+               dict(KV_MODE=sparse_mla_prefill.KV_MODES[fmt], PARTIAL=True, BLOCK_H=cfg.block_h,
+                    BLOCK_N=cfg.block_n, SCALE_OFFSET=512, DOT_DTYPE=dot,
+                    SKIP_EMPTY=use == "prefill", PREFETCH=cfg.prefetch,
+                    RELOAD=cfg.reload and not cfg.prefetch), options)
     yield ("sparse_mla_combine[16 splits]", sparse_mla_decode._combine_kernel,
            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", out_stride_t=i64,
                 out_stride_h=i64, lse_ptr="*fp32", lse_stride_t=i64, num_heads=i32,
@@ -63,16 +89,22 @@ def shipped_configs():
                     block_stride=i64, row_stride=i64),
                dict(MODE=mode, TILES=4, TILE=128, SCALE_OFFSET=512, ROW_BYTES=656),
                dict(num_warps=2, num_stages=1))
-    block_n, warps, stages, prefetch = indexer_logits_paged.PAGED_CONFIG
-    for next_n in (1, 4):
-        yield (f"indexer_logits_paged[N{next_n} H32 n{block_n}]",
-               indexer_logits_paged._indexer_logits_paged_kernel,
-               dict(q_ptr="*fp8e4nv", w_ptr="*fp32", kv_ptr="*fp8e4nv", kv_f32_ptr="*fp32",
-                    page_stride=i64, bt_ptr="*i32", bt_stride=i64, ctx_ptr="*i32",
-                    out_ptr="*fp32", out_stride=i64, num_req=i32, num_programs=i32),
-               dict(N=next_n, N_PAD=next_n, H=32, PAGE_POOLS=64, BLOCK_N=block_n, BLOCK_B=256,
-                    DOT_DTYPE=tl.float16, PREFETCH=prefetch),
-               dict(num_warps=warps, num_stages=stages))
+    paged = indexer_logits_paged
+    paged_types = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", kv_ptr="*fp8e4nv", kv_f32_ptr="*fp32",
+                       page_stride=i64, bt_ptr="*i32", bt_stride=i64, ctx_ptr="*i32",
+                       out_ptr="*fp32", out_stride=i64, num_req=i32, num_programs=i32)
+    paged_cfgs = {c.name: c for c in paged.PAGED_CANDIDATES + list(paged.PAGED_CONFIGS.values())}
+    for cfg in paged_cfgs.values():
+        for next_n in (1, 4):
+            common = dict(N=next_n, N_PAD=next_n, H=32, PAGE_POOLS=64, BLOCK_N=cfg.block_n,
+                          DOT_DTYPE=tl.float16, PREFETCH=cfg.prefetch)
+            if cfg.kernel == paged.KERNEL_PAGE_GRID:
+                fn, extra = paged._indexer_logits_page_grid_kernel, dict(TILES=cfg.tiles)
+            else:
+                fn, extra = paged._indexer_logits_paged_kernel, dict(BLOCK_B=256)
+            yield (f"indexer_logits_paged[N{next_n} H32 {cfg.name}]", fn, paged_types,
+                   dict(common, **extra), dict(num_warps=cfg.num_warps,
+                                               num_stages=cfg.num_stages))
     for heads, (block_m, block_n, warps, stages) in sorted(
             indexer_logits_ragged.RAGGED_CONFIGS.items()):
         yield (f"indexer_logits_ragged[H{heads} m{block_m} n{block_n}]",
@@ -104,35 +136,20 @@ def shipped_configs():
            dict(HAS_STARTS=False, KPOOL=16, SELECT=128, SLICES=16,
                 DIRECT_MAX=kpool_topk.DIRECT_MAX_POOLS, BLOCK=block),
            dict(num_warps=warps, num_stages=1))
-    yield from _mhc_configs()
+    from . import kpool_topk_threshold
+
+    for cfg in kpool_topk.TOPK_CANDIDATES:
+        cap = kpool_topk_threshold.threshold_capacity(cfg, 128, 16)
+        yield (f"kpool_topk_threshold[{cfg.name}]",
+               kpool_topk_threshold._kpool_topk_threshold_kernel,
+               dict(logits_ptr="*fp32", logits_stride=i64, starts_ptr="*i32", seq_ptr="*i32",
+                    out_ptr="*i32", out_stride=i64, out_width=i32),
+               dict(HAS_STARTS=False, KPOOL=16, SELECT=128, TAIL=16, R=cfg.rows, COLS=cfg.cols,
+                    CAP=cap, T0_STEPS=cfg.t0_steps, BLOCK=1024),
+               dict(num_warps=cfg.num_warps, num_stages=1))
 
 
-def _mhc_configs():
-    """GLM-5.3-Flash's mHC blocks: 4 streams, hidden 4096 (the largest BLOCK_HF it needs)."""
-    from . import mhc
-
-    i32, f32 = "i32", "fp32"
-    part_types = dict(res_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32",
-                      cur_ptr="*bf16", fn_ptr="*fp32", part_ptr="*fp32", sq_ptr="*fp32",
-                      T=i32, H=i32)
-    for cfg in mhc.MIX_CONFIGS:
-        for with_post, with_mix in ((True, True), (False, True), (True, False)):
-            yield (f"mhc_mix_partials[{cfg.name} post={with_post} mix={with_mix}]",
-                   mhc._mix_partials_kernel, part_types,
-                   dict(N=4, N3=24, MIX_PAD=32, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-                        WITH_POST=with_post, WITH_MIX=with_mix),
-                   dict(num_warps=cfg.num_warps, num_stages=1))
-    yield ("mhc_mix_finalize[n4 H4096]", mhc._mix_finalize_kernel,
-           dict(part_ptr="*fp32", sq_ptr="*fp32", cur_ptr="*bf16", scale_ptr="*fp32",
-                base_ptr="*fp32", norm_w_ptr="*bf16", post_out_ptr="*fp32",
-                comb_out_ptr="*fp32", lin_out_ptr="*bf16", T=i32, H=i32, num_splits=i32,
-                sinkhorn_repeat=i32, rms_eps=f32, pre_eps=f32, sk_eps=f32, post_mult=f32,
-                norm_eps=f32),
-           dict(N=4, BLOCK_N=4, MIX_PAD=32, BLOCK_HF=4096, HAS_NORM=True),
-           dict(num_warps=mhc.finalize_warps(4096), num_stages=1))
-
-
-def compile_for_sm89(fn, types: dict, constexprs: dict, options: dict) -> dict:
+def compile_for_sm89(fn, types: dict, constexprs: dict, options: dict, arch: int = 89) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -142,12 +159,36 @@ def compile_for_sm89(fn, types: dict, constexprs: dict, options: dict) -> dict:
     missing = [n for n in names if signature[n] == "constexpr" and n not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no value for constexpr {missing}")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n in DIVISIBLE}
     source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 89, 32), options=options)
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     ptx = kernel.asm["ptx"]
     return {"shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx,
-            "local_loads": ptx.count("ld.local"), "num_warps": kernel.metadata.num_warps}
+            "local_loads": ptx.count("ld.local"), "num_warps": kernel.metadata.num_warps,
+            **_cubin_resources(kernel.asm.get("cubin"))}
+
+
+def _cubin_resources(cubin: bytes | None) -> dict:
+    """Registers per thread and spill instructions (SASS LDL/STL) of a cubin, through the
+    ``cuobjdump`` Triton ships; None where it is missing."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return {"regs": None, "spills": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return {"regs": int(found.group(1)) if found else None,
+            "spills": len(re.findall(r"\b(?:LDL|STL)\b", sass))}
 
 
 def main() -> int:

@@ -1,11 +1,14 @@
-"""Split-K sparse MLA decode: stage 1 (the attention kernel of :mod:`.sparse_mla_prefill`, one
-program per (token, head block, split) writing fp32 partials) and stage 2 (this module's combine
-kernel, a log-sum-exp merge in a fixed split order, so results are bit-reproducible).
+"""Split-K sparse MLA decode: stage 1 (an attention kernel, one program per (token, head block,
+split) writing fp32 partials: :mod:`.sparse_mla_prefill`'s heads-as-M kernel or, for <= 16 heads
+per rank, :mod:`.sparse_mla_heads_n`'s; the plan's configuration, from
+:data:`.sparse_mla_configs.DECODE_CONFIGS`, says which) and stage 2 (this module's combine kernel,
+a log-sum-exp merge in a fixed split order, so results are bit-reproducible).
 
 Tensors are exactly those of :func:`.sparse_mla_prefill.sparse_mla_prefill` (q ``[T, H, 512]``
 bf16, vLLM's latent cache in bf16, ``fp8`` (+ ``kv_scale``, the per-tensor scale read on the
-device) or ``fp8_ds_mla``, ``indices [T, K]`` int32 flat rows, -1 = none); decode tokens include MTP verification tokens (1 + num_speculative per sequence), each
-with its own index row, so no per-sequence metadata is needed.
+device) or ``fp8_ds_mla``, ``indices [T, K]`` int32 flat rows, -1 = none); decode tokens include
+MTP verification tokens (1 + num_speculative per sequence), each with its own index row, so no
+per-sequence metadata is needed.
 
 CUDA-graph use: call :func:`plan_sparse_mla_decode` once per captured batch size (the split count
 depends on the SM count and on the batch), allocate one :class:`SparseMLADecodeWorkspace` for the
@@ -24,25 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .layouts import KV_BF16, KV_FP8, KV_FP8_DS_MLA, mla_kv_format
-from .sparse_mla_prefill import launch_sparse_mla_kernel, pick_config, sparse_mla_prefill_ref
+from .layouts import KV_FP8_DS_MLA, mla_kv_format
+from .sparse_mla_configs import (
+    DECODE_CONFIGS,
+    LAYOUT_HEADS_M,
+    LAYOUT_HEADS_N,
+    MLATileConfig,
+    pick_config,
+)
+from .sparse_mla_heads_n import MAX_HEADS as HEADS_N_MAX_HEADS
+from .sparse_mla_heads_n import heads_n_block, launch_sparse_mla_heads_n
+from .sparse_mla_prefill import launch_sparse_mla_kernel, sparse_mla_prefill_ref
 
-# (BLOCK_H, BLOCK_N, num_warps, num_stages, prefetch) by (cache format, up to this many heads per
-# rank); each is compiled for sm_89 in tests/unit/test_kernels_sm89.py. The TP8 entries (<= 16
-# heads) are the best of the sweep in bench/results/kernels-h200.md: fp8 rows gathered with
-# explicit double buffering, bf16 rows through Triton's pipeliner (num_stages=2). The per-tensor
-# fp8 rows (512 B, no scales) start from fp8_ds_mla's configuration (untimed so far).
-DECODE_CONFIGS = {
-    (KV_FP8, 16): (16, 32, 4, 1, True),
-    (KV_FP8, 64): (32, 32, 8, 1, True),
-    (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, True),
-    (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, True),
-    (KV_BF16, 16): (16, 64, 4, 2, False),
-    (KV_BF16, 64): (32, 32, 8, 2, False),
-}
 MAX_SPLITS = 16
-# Aim for this many programs per SM so the gather has enough loads in flight.
-PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -59,6 +56,9 @@ class SparseMLADecodePlan:
     num_stages: int
     prefetch: bool = False
     kv_format: str = KV_FP8_DS_MLA
+    layout: str = LAYOUT_HEADS_M
+    reload: bool = False
+    config_name: str = ""
 
     @property
     def partial_rows(self) -> int:
@@ -75,21 +75,29 @@ class SparseMLADecodeWorkspace:
 
 
 def plan_sparse_mla_decode(num_tokens: int, num_heads: int, topk_width: int, num_sms: int,
-                           kv_format: str = KV_FP8_DS_MLA) -> SparseMLADecodePlan:
-    """Pick the split count from the SM count and the batch: enough programs to cover
-    ``PROGRAMS_PER_SM`` waves, at most ``MAX_SPLITS`` and at least two tiles per split; the tile
-    configuration from the cache format (``layouts.KV_FP8``, ``KV_FP8_DS_MLA`` or ``KV_BF16``;
-    pass ``layouts.mla_kv_format(cache)``)."""
-    block_h, block_n, num_warps, num_stages, prefetch = pick_config(DECODE_CONFIGS, kv_format,
-                                                                    num_heads)
-    programs = max(1, num_tokens) * triton.cdiv(num_heads, block_h)
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
-    most = max(1, min(MAX_SPLITS, topk_width // (2 * block_n)))
+                           kv_format: str = KV_FP8_DS_MLA,
+                           config: MLATileConfig | None = None,
+                           num_splits: int | None = None) -> SparseMLADecodePlan:
+    """Pick the split count from the SM count and the batch: as many splits as keep the grid
+    within ``config.programs_per_sm`` programs per SM (one wave; a partial second wave would
+    wait on the slowest split), at most ``MAX_SPLITS`` and at least two tiles per split. The
+    tile configuration comes from the cache format (``layouts.KV_FP8``, ``KV_FP8_DS_MLA`` or
+    ``KV_BF16``; pass ``layouts.mla_kv_format(cache)``) unless ``config`` is given;
+    ``num_splits`` overrides the split count (benchmarks)."""
+    cfg = config or pick_config(DECODE_CONFIGS, kv_format, num_heads)
+    if cfg.layout == LAYOUT_HEADS_N and num_heads > HEADS_N_MAX_HEADS:
+        raise ValueError(f"config {cfg.name} takes <= {HEADS_N_MAX_HEADS} heads per rank")
+    head_blocks = triton.cdiv(num_heads, heads_n_block(num_heads) if cfg.layout ==
+                              LAYOUT_HEADS_N else cfg.block_h)
+    programs = max(1, num_tokens) * head_blocks
+    most = max(1, min(MAX_SPLITS, topk_width // (2 * cfg.block_n)))
+    want = num_splits or max(1, (cfg.programs_per_sm * num_sms) // programs)
     splits = max(1, min(want, most))  # MAX_SPLITS bounds the combine kernel's BLOCK_S
-    split_len = triton.cdiv(triton.cdiv(topk_width, splits), block_n) * block_n
+    split_len = triton.cdiv(triton.cdiv(topk_width, splits), cfg.block_n) * cfg.block_n
     splits = triton.cdiv(topk_width, split_len)
-    return SparseMLADecodePlan(num_tokens, num_heads, splits, split_len, block_h, block_n,
-                               num_warps, num_stages, prefetch, kv_format)
+    return SparseMLADecodePlan(num_tokens, num_heads, splits, split_len, cfg.block_h,
+                               cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch,
+                               kv_format, cfg.layout, cfg.reload, cfg.name)
 
 
 def sparse_mla_decode_workspace(plans: list[SparseMLADecodePlan],
@@ -147,12 +155,18 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
                          f"got {indices.shape[1]}: plan with the index buffer's width")
     if mla_kv_format(kv_cache) != plan.kv_format:
         raise ValueError(f"plan is for a {plan.kv_format} cache, got {mla_kv_format(kv_cache)}")
-    common = dict(split_len=plan.split_len, block_h=plan.block_h, block_n=plan.block_n,
-                  num_warps=plan.num_warps, num_stages=plan.num_stages, skip_empty=False,
-                  prefetch=plan.prefetch, kv_scale=kv_scale)
+    if plan.layout == LAYOUT_HEADS_N:
+        launch = launch_sparse_mla_heads_n
+        common = dict(split_len=plan.split_len, block_n=plan.block_n, num_warps=plan.num_warps,
+                      num_stages=plan.num_stages, reload=plan.reload, kv_scale=kv_scale)
+    else:
+        launch = launch_sparse_mla_kernel
+        common = dict(split_len=plan.split_len, block_h=plan.block_h, block_n=plan.block_n,
+                      num_warps=plan.num_warps, num_stages=plan.num_stages, skip_empty=False,
+                      prefetch=plan.prefetch, reload=plan.reload, kv_scale=kv_scale)
     if plan.num_splits == 1:
-        launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, num_splits=1,
-                                 partial=False, **common)
+        launch(q, kv_cache, indices, softmax_scale, out, lse, num_splits=1, partial=False,
+               **common)
         return
     need = num_tokens * plan.num_splits * num_heads
     if workspace.partial_lse.numel() < need:
@@ -161,8 +175,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     part_out = workspace.partial_out[: need * 512].view(num_tokens, plan.num_splits, num_heads,
                                                         512)
     part_lse = workspace.partial_lse[:need].view(num_tokens, plan.num_splits, num_heads)
-    launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, part_out, part_lse,
-                             num_splits=plan.num_splits, partial=True, **common)
+    launch(q, kv_cache, indices, softmax_scale, part_out, part_lse, num_splits=plan.num_splits,
+           partial=True, **common)
     _combine_kernel[(num_tokens, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), lse, lse.stride(0), num_heads,
         plan.num_splits, BLOCK_S=MAX_SPLITS, DIM=512,

@@ -50,33 +50,12 @@ from .layouts import (
     require_kv_scale,
 )
 from .layouts import dequant_latent_rows as _dequant
+from .sparse_mla_configs import PREFILL_CONFIGS, pick_config
 from .triton_env import dot_dtype
 
 LOG2E = 1.4426950408889634
-# Shipped configurations, (BLOCK_H, BLOCK_N, num_warps, num_stages, prefetch) by (cache format,
-# up to this many heads per rank); every one is compiled for sm_89 in
-# tests/unit/test_kernels_sm89.py to prove it fits 99 KB of shared memory. Prefill keeps the loop
-# that skips tiles with no valid index (prefetch off): that is the configuration measured in
-# bench/results/kernels-h200.md; the prefetching loop is the decode default. The per-tensor
-# fp8 entries reuse fp8_ds_mla's (same operand types and tile shapes, fewer loads; not yet timed).
-PREFILL_CONFIGS = {
-    (KV_FP8, 16): (16, 32, 4, 1, False),
-    (KV_FP8, 64): (32, 32, 8, 1, False),
-    (KV_FP8_DS_MLA, 16): (16, 32, 4, 1, False),
-    (KV_FP8_DS_MLA, 64): (32, 32, 8, 1, False),
-    (KV_BF16, 16): (16, 64, 4, 2, False),
-    (KV_BF16, 64): (32, 32, 8, 2, False),
-}
 # The kernel's KV_MODE constexpr per cache layout.
 KV_MODES = {KV_BF16: 0, KV_FP8_DS_MLA: 1, KV_FP8: 2}
-
-
-def pick_config(table: dict, kv_format: str, num_heads: int) -> tuple:
-    """The entry of ``table`` for this cache format with the fewest heads >= ``num_heads``."""
-    fitting = sorted(h for f, h in table if f == kv_format and h >= num_heads)
-    if not fitting:
-        raise ValueError(f"no {kv_format} sparse-MLA config for {num_heads} heads per rank")
-    return table[(kv_format, fitting[0])]
 
 
 @triton.jit
@@ -95,6 +74,16 @@ def _load_tile(kv_ptr, kv_f32_ptr, rows, valid, t: tl.constexpr, row_stride,
 
 
 @triton.jit
+def _reload_tile(kv_ptr, rows, valid, t: tl.constexpr, row_stride):
+    """A second load of tile ``t`` for the value product: a distinct load (never merged with
+    the scores' one), so each has one consumer and Triton's pipeliner can stage both through
+    shared memory; the re-read hits L1/L2."""
+    d = tl.arange(0, 128)
+    return tl.load(kv_ptr + (rows * row_stride)[:, None] + t * 128 + d[None, :],
+                   mask=valid[:, None], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def _pv_fp8(p, scale, k, DOT_DTYPE: tl.constexpr):
     top = tl.max(scale, axis=0)
     top = tl.where(top > 0.0, top, 1.0)
@@ -102,15 +91,20 @@ def _pv_fp8(p, scale, k, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _attend(q0, q1, q2, q3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
+def _attend(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, s0, s1, s2, s3, valid, m, l_sum,
             acc0, acc1, acc2, acc3, sm_scale_log2, TILE_SCALES: tl.constexpr,
             DOT_DTYPE: tl.constexpr):
-    """Online-softmax update of one tile of selected rows (k_t as stored, s_t their per-row
+    """Online-softmax update of one tile of selected rows (k_t as stored for the scores, v_t
+    the same rows for the values: the same tensors, or a second load of them; s_t their per-row
     scales when the layout has them)."""
     k0 = k0.to(DOT_DTYPE)
     k1 = k1.to(DOT_DTYPE)
     k2 = k2.to(DOT_DTYPE)
     k3 = k3.to(DOT_DTYPE)
+    v0 = v0.to(DOT_DTYPE)
+    v1 = v1.to(DOT_DTYPE)
+    v2 = v2.to(DOT_DTYPE)
+    v3 = v3.to(DOT_DTYPE)
     if TILE_SCALES:
         scores = tl.dot(q0, tl.trans(k0)) * s0[None, :]
         scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
@@ -131,16 +125,16 @@ def _attend(q0, q1, q2, q3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
     if TILE_SCALES:
         # Values: acc_t += (p * scale_t) @ k8_t, with scale_t / max(scale_t) in the fp16 operand
         # (<= 1, no fp16 underflow for small latents) and max(scale_t) applied after.
-        acc0 = acc0 * alpha[:, None] + _pv_fp8(p, s0, k0, DOT_DTYPE)
-        acc1 = acc1 * alpha[:, None] + _pv_fp8(p, s1, k1, DOT_DTYPE)
-        acc2 = acc2 * alpha[:, None] + _pv_fp8(p, s2, k2, DOT_DTYPE)
-        acc3 = acc3 * alpha[:, None] + _pv_fp8(p, s3, k3, DOT_DTYPE)
+        acc0 = acc0 * alpha[:, None] + _pv_fp8(p, s0, v0, DOT_DTYPE)
+        acc1 = acc1 * alpha[:, None] + _pv_fp8(p, s1, v1, DOT_DTYPE)
+        acc2 = acc2 * alpha[:, None] + _pv_fp8(p, s2, v2, DOT_DTYPE)
+        acc3 = acc3 * alpha[:, None] + _pv_fp8(p, s3, v3, DOT_DTYPE)
     else:
         pb = p.to(DOT_DTYPE)
-        acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
-        acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
-        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
-        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+        acc0 = tl.dot(pb, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pb, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pb, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, v3, acc3 * alpha[:, None])
     return m_new, l_sum, acc0, acc1, acc2, acc3
 
 
@@ -160,6 +154,7 @@ def _sparse_mla_kernel(
     DOT_DTYPE: tl.constexpr,
     SKIP_EMPTY: tl.constexpr,
     PREFETCH: tl.constexpr,
+    RELOAD: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -237,7 +232,7 @@ def _sparse_mla_kernel(
             ahead = n0 + 2 * BLOCK_N + lanes
             idx_next = tl.load(idx_row + ahead, mask=ahead < end, other=-1)
             m, l_sum, acc0, acc1, acc2, acc3 = _attend(
-                q0, q1, q2, q3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
+                q0, q1, q2, q3, k0, k1, k2, k3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
                 acc0, acc1, acc2, acc3, sm_scale_log2, KV_MODE == 1, DOT_DTYPE)
     else:
         # Indices one tile ahead; Triton's pipeliner (num_stages) may overlap the row loads.
@@ -257,9 +252,15 @@ def _sparse_mla_kernel(
                                     SCALE_OFFSET)
                 k3, s3 = _load_tile(kv_ptr, kv_f32_ptr, rows, valid, 3, row_stride, KV_MODE == 1,
                                     SCALE_OFFSET)
+                v0, v1, v2, v3 = k0, k1, k2, k3
+                if RELOAD:
+                    v0 = _reload_tile(kv_ptr, rows, valid, 0, row_stride)
+                    v1 = _reload_tile(kv_ptr, rows, valid, 1, row_stride)
+                    v2 = _reload_tile(kv_ptr, rows, valid, 2, row_stride)
+                    v3 = _reload_tile(kv_ptr, rows, valid, 3, row_stride)
                 m, l_sum, acc0, acc1, acc2, acc3 = _attend(
-                    q0, q1, q2, q3, k0, k1, k2, k3, s0, s1, s2, s3, valid, m, l_sum,
-                    acc0, acc1, acc2, acc3, sm_scale_log2, KV_MODE == 1, DOT_DTYPE)
+                    q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, s0, s1, s2, s3, valid, m,
+                    l_sum, acc0, acc1, acc2, acc3, sm_scale_log2, KV_MODE == 1, DOT_DTYPE)
 
     has_any = l_sum > 0.0
     inv = tl.where(has_any, k_scale / tl.where(has_any, l_sum, 1.0), 0.0)
@@ -276,7 +277,7 @@ def _sparse_mla_kernel(
 
 def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, num_splits,
                              split_len, block_h, block_n, num_warps, num_stages, partial,
-                             skip_empty=True, prefetch=False, kv_scale=None):
+                             skip_empty=True, prefetch=False, reload=False, kv_scale=None):
     """Launch the attention kernel (shared by prefill and decode stage 1)."""
     fmt = mla_kv_format(kv_cache)
     require_kv_scale(fmt, kv_scale)
@@ -312,6 +313,7 @@ def launch_sparse_mla_kernel(q, kv_cache, indices, softmax_scale, out, lse, *, n
         DOT_DTYPE=dot_dtype(tl.float16 if fmt != KV_BF16 else tl.bfloat16),
         SKIP_EMPTY=skip_empty,
         PREFETCH=prefetch,
+        RELOAD=bool(reload) and not prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -321,12 +323,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.T
                        softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, *,
                        kv_scale: torch.Tensor | None = None) -> None:
     """Sparse MLA for many query tokens, each with its own selection (no split-K)."""
-    block_h, block_n, num_warps, num_stages, prefetch = pick_config(
-        PREFILL_CONFIGS, mla_kv_format(kv_cache), q.shape[1])
+    cfg = pick_config(PREFILL_CONFIGS, mla_kv_format(kv_cache), q.shape[1])
     launch_sparse_mla_kernel(
         q, kv_cache, indices, softmax_scale, out, lse, num_splits=1, split_len=indices.shape[1],
-        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        partial=False, prefetch=prefetch, kv_scale=kv_scale,
+        block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, partial=False, prefetch=cfg.prefetch, reload=cfg.reload,
+        kv_scale=kv_scale,
     )
 
 

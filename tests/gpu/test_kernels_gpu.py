@@ -374,3 +374,30 @@ def test_kpool_decode_update_mtp_ring_matches_reference_and_replays_in_a_graph()
     written.append(static[3].flatten())
     torch.cuda.synchronize()
     compare()
+
+
+def test_kpool_topk_threshold_fallback_and_prefill_offsets_real_shapes():
+    """The threshold top-k at GLM-5.3-Flash's selection on rows that take each of its paths
+    (random logits: candidates; heavy ties: the radix fallback; a row of one repeated value;
+    -inf; prefill row offsets) equals the reference exactly, as do the radix kernels."""
+    from glmctl.kernels.kpool_topk import RADIX, kpool_topk, kpool_topk_ref
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows, pools = 48, 15_360
+    logits = torch.randn(rows, pools, generator=g, device=_dev())
+    logits[1] = torch.randint(0, 3, (pools,), generator=g, device=_dev()).float()
+    logits[2] = 1.0
+    logits[3] = float("-inf")
+    logits[4] = torch.arange(pools, device=_dev()).float()  # the best pools are the last ones
+    logits[5] = logits[5].to(torch.float8_e4m3fn).float()  # coarse values, many ties
+    seq = torch.randint(1, (pools - 2 * KPOOL) * KPOOL, (rows,), generator=g, device=_dev()).int()
+    seq[:6] = pools * KPOOL - 3
+    starts = torch.randint(0, 2 * KPOOL, (rows,), generator=g, device=_dev()).int()
+    starts[:6] = 0
+    want = torch.full((rows, WIDTH), 7, dtype=torch.int32, device=_dev())
+    kpool_topk_ref(logits, seq, want, kpool=KPOOL, select_pools=TOPK // KPOOL, row_starts=starts)
+    for config in (None, RADIX):
+        got = torch.full_like(want, 9)
+        kpool_topk(logits, seq, got, kpool=KPOOL, select_pools=TOPK // KPOOL, row_starts=starts,
+                   config=config)
+        assert torch.equal(got, want), config

@@ -1,0 +1,92 @@
+"""The threshold top-k (every configuration the bench sweeps) under TRITON_INTERPRET=1 against the
+torch reference, bit for bit, at GLM-5.3-Flash's selection (128 pools of 16 tokens): random rows
+(the candidate path), rows whose ties overflow the candidate capacity (the radix fallback), rows
+longer than one tile pass, -inf and negative logits, short rows, prefill row offsets; and the
+radix kernels still selectable by name."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from glmctl.kernels.triton_env import (  # noqa: E402
+    import_interpreted,
+    run_in_fresh_interpreter_process,
+)
+
+_modules = import_interpreted("glmctl.kernels.kpool_topk", "glmctl.kernels.kpool_topk_threshold")
+interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+topk, threshold = _modules or (None, None)
+
+
+@pytest.mark.skipif(_modules is not None, reason="ran in this process")
+def test_in_fresh_process():
+    run_in_fresh_interpreter_process(__file__)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+KPOOL, SELECT, WIDTH = 16, 128, 2176
+
+
+def _rows():
+    n = 5000
+    logits = torch.randn(9, n)
+    logits[1] = torch.randint(0, 3, (n,)).float()  # ties overflow any capacity: fallback
+    logits[2] = float("-inf")
+    logits[3] = -torch.rand(n)  # all negative
+    logits[4, : 600] = torch.randn(600).to(torch.float8_e4m3fn).float()  # coarse, many ties
+    logits[5] = torch.arange(n).float()  # monotone: the best pools are the last ones
+    logits[6, ::512] = 50.0  # a few outliers in one column
+    seq = torch.tensor([n * KPOOL + 7, 4500 * KPOOL, 3000 * KPOOL + 15, 4100 * KPOOL,
+                        600 * KPOOL + 3, n * KPOOL, 4999 * KPOOL + 1, SELECT * KPOOL + 5,
+                        (SELECT + 1) * KPOOL], dtype=torch.int32)
+    starts = torch.tensor([0, 0, 0, 0, 0, 0, 1, 0, 3], dtype=torch.int32)
+    return logits, seq, starts
+
+
+def _reference(logits, seq, starts):
+    want = torch.full((logits.shape[0], WIDTH), 777, dtype=torch.int32)
+    return topk.kpool_topk_ref(logits, seq, want, kpool=KPOOL, select_pools=SELECT,
+                               row_starts=starts)
+
+
+CONFIGS = topk.TOPK_CANDIDATES if topk else []
+
+
+@interpreted
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_threshold_topk_config_is_exact(cfg):
+    logits, seq, starts = _rows()
+    want = _reference(logits, seq, starts)
+    got = torch.full_like(want, 12345)
+    topk.kpool_topk(logits, seq, got, kpool=KPOOL, select_pools=SELECT, row_starts=starts,
+                    config=cfg)
+    assert torch.equal(got, want)
+
+
+@interpreted
+def test_threshold_topk_small_selection_and_radix_by_name():
+    kpool, select = 4, 16
+    logits = torch.randn(5, 700)
+    logits[1] = torch.randint(0, 4, (700,)).float()
+    seq = torch.tensor([0, 690 * kpool + 2, 17 * kpool, select * kpool, 5], dtype=torch.int32)
+    want = torch.full((5, select * kpool + kpool - 1 + 5), 777, dtype=torch.int32)
+    topk.kpool_topk_ref(logits, seq, want, kpool=kpool, select_pools=select)
+    for cfg in (None, topk.RADIX, threshold.ThresholdTopkConfig("tiny", rows=4, cols=32, cap=32,
+                                                                num_warps=4)):
+        got = torch.full_like(want, 5)
+        topk.kpool_topk(logits, seq, got, kpool=kpool, select_pools=select, config=cfg)
+        assert torch.equal(got, want), cfg
+
+
+@interpreted
+def test_capacity_fits_the_history_columns():
+    cfg = topk.THRESHOLD_CONFIG
+    assert threshold.threshold_capacity(cfg, 128, 16) == min(cfg.cap, 1024)
+    assert threshold.threshold_capacity(cfg, 16, 4) == 32
+    assert threshold.threshold_capacity(cfg, 16, 1) == 0  # no room: the radix kernel runs
