@@ -40,7 +40,6 @@ from typing import Literal
 
 Fate = Literal["fp8", "bf16_at_load", "rejected", "unknown"]
 Family = Literal["kda", "mla", "mlp"]
-Shape = Callable[[Mapping[str, int]], tuple[int, int]]
 
 FATE_SHORT: dict[str, str] = {
     "fp8": "FP8", "bf16_at_load": "BF16 at load", "rejected": "needs plugin", "unknown": "?",
@@ -60,16 +59,27 @@ FATE_TEXT: dict[str, str] = {
 }
 
 
+# The dimensions a projection's shape is given in: config.json fields, and these products of them.
+DERIVED_DIMS: dict[str, Callable[[Mapping[str, int]], int]] = {
+    "kda_width": lambda c: c["linear_num_heads"] * c["linear_head_dim"],
+    "mla_q_width": lambda c: c["num_attention_heads"] * (c["qk_nope_head_dim"] + (c.get("qk_rope_head_dim") or 0)),
+    "mla_kv_a_rows": lambda c: c["kv_lora_rank"] + (c.get("qk_rope_head_dim") or 0),
+    "mla_kv_b_rows": lambda c: c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+    "mla_v_width": lambda c: c["num_attention_heads"] * c["v_head_dim"],
+    "index_q_width": lambda c: c["index_n_heads"] * c["index_head_dim"],
+    "shared_intermediate": lambda c: c["moe_intermediate_size"] * c["n_shared_experts"],
+}
+
+
 @dataclass(frozen=True)
 class Projection:
-    """One linear module of a decoder layer. `leaf` and the GEMM names are relative to the layer;
-    `shape(config)` is (out_features, in_features) from config.json's field names."""
+    """One linear module of a decoder layer; `leaf` and the GEMM names are relative to the layer."""
 
     family: Family  # the layer kind it lives in ("mlp": the dense MLP and the shared experts)
     leaf: str  # checkpoint module: "self_attn.q_proj"
     stock: Fate  # a block-FP8 weight with stock vLLM 0.30
     plugin: Fate  # ... and with glmctl's plugin
-    shape: Shape
+    dims: tuple[str, str]  # (out_features, in_features): config fields or DERIVED_DIMS
     fused: str = ""  # the fused GEMM stock vLLM builds it into ("": its own GEMM)
     plugin_fused: str = ""  # the GEMM the plugin builds it into ("": as stock vLLM)
 
@@ -81,22 +91,16 @@ class Projection:
     def plugin_gemm(self) -> str:
         return self.plugin_fused or self.gemm
 
-
-def _kda_width(c: Mapping[str, int]) -> int:
-    return c["linear_num_heads"] * c["linear_head_dim"]
-
-
-def _rope(c: Mapping[str, int]) -> int:
-    return c.get("qk_rope_head_dim") or 0
-
-
-def _shared(c: Mapping[str, int]) -> int:
-    return c["moe_intermediate_size"] * c["n_shared_experts"]
+    def shape(self, config: Mapping[str, int]) -> tuple[int, int]:
+        """(out_features, in_features) of the weight for a config.json (text config) mapping."""
+        out_dim, in_dim = (DERIVED_DIMS[d](config) if d in DERIVED_DIMS else config[d] for d in self.dims)
+        return out_dim, in_dim
 
 
 _KDA_IN = "self_attn.in_proj_qkvbfg_a"
 _MLA_QKV_A = "self_attn.fused_qkv_a_proj"
 _WK = "self_attn.indexer.wk_weights_proj"
+_H = "hidden_size"
 
 # In checkpoint order. Stock vLLM builds every KDA projection with quant_config=None: an FP8 one
 # has no `weight_scale_inv` parameter to load into (KeyError), except o_proj, which the MLA helper
@@ -104,41 +108,36 @@ _WK = "self_attn.indexer.wk_weights_proj"
 # too; `_try_load_fp8_attn_proj` / `_try_load_fp8_indexer_wk` dequantise the projections in
 # `_FP8_ATTN_PROJS` and the indexer's wk, the rest is refused. The MLP is built with the fp8 config.
 PROJECTIONS: tuple[Projection, ...] = (
-    Projection("kda", "self_attn.q_proj", "rejected", "fp8", lambda c: (_kda_width(c), c["hidden_size"]), _KDA_IN, _KDA_IN + ".qkv"),
-    Projection("kda", "self_attn.k_proj", "rejected", "fp8", lambda c: (_kda_width(c), c["hidden_size"]), _KDA_IN, _KDA_IN + ".qkv"),
-    Projection("kda", "self_attn.v_proj", "rejected", "fp8", lambda c: (_kda_width(c), c["hidden_size"]), _KDA_IN, _KDA_IN + ".qkv"),
-    Projection("kda", "self_attn.b_proj", "rejected", "bf16_at_load", lambda c: (c["linear_num_heads"], c["hidden_size"]), _KDA_IN, _KDA_IN + ".bfg_a"),
-    Projection("kda", "self_attn.f_a_proj", "rejected", "bf16_at_load", lambda c: (c["linear_head_dim"], c["hidden_size"]), _KDA_IN, _KDA_IN + ".bfg_a"),
-    Projection("kda", "self_attn.f_b_proj", "rejected", "fp8", lambda c: (_kda_width(c), c["linear_head_dim"])),
-    Projection("kda", "self_attn.g_a_proj", "rejected", "bf16_at_load", lambda c: (c["linear_head_dim"], c["hidden_size"]), _KDA_IN, _KDA_IN + ".bfg_a"),
-    Projection("kda", "self_attn.g_b_proj", "rejected", "fp8", lambda c: (_kda_width(c), c["linear_head_dim"])),
-    Projection("kda", "self_attn.o_proj", "bf16_at_load", "fp8", lambda c: (c["hidden_size"], _kda_width(c))),
-    Projection("mla", "self_attn.q_a_proj", "bf16_at_load", "fp8", lambda c: (c["q_lora_rank"], c["hidden_size"]), _MLA_QKV_A),
-    Projection("mla", "self_attn.q_b_proj", "bf16_at_load", "fp8",
-               lambda c: (c["num_attention_heads"] * (c["qk_nope_head_dim"] + _rope(c)), c["q_lora_rank"])),
-    Projection("mla", "self_attn.kv_a_proj_with_mqa", "bf16_at_load", "fp8",
-               lambda c: (c["kv_lora_rank"] + _rope(c), c["hidden_size"]), _MLA_QKV_A),
-    Projection("mla", "self_attn.kv_b_proj", "rejected", "bf16_at_load",
-               lambda c: (c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
-    Projection("mla", "self_attn.o_proj", "bf16_at_load", "fp8",
-               lambda c: (c["hidden_size"], c["num_attention_heads"] * c["v_head_dim"])),
-    Projection("mla", "self_attn.indexer.wq_b", "rejected", "fp8",
-               lambda c: (c["index_n_heads"] * c["index_head_dim"], c["q_lora_rank"])),
-    Projection("mla", "self_attn.indexer.wk", "bf16_at_load", "bf16_at_load", lambda c: (c["index_head_dim"], c["hidden_size"]), _WK),
-    Projection("mla", "self_attn.indexer.weights_proj", "rejected", "bf16_at_load", lambda c: (c["index_n_heads"], c["hidden_size"]), _WK),
-    Projection("mlp", "mlp.gate_proj", "fp8", "fp8", lambda c: (c["intermediate_size"], c["hidden_size"]), "mlp.gate_up_proj"),
-    Projection("mlp", "mlp.up_proj", "fp8", "fp8", lambda c: (c["intermediate_size"], c["hidden_size"]), "mlp.gate_up_proj"),
-    Projection("mlp", "mlp.down_proj", "fp8", "fp8", lambda c: (c["hidden_size"], c["intermediate_size"])),
-    Projection("mlp", "mlp.shared_experts.gate_proj", "fp8", "fp8", lambda c: (_shared(c), c["hidden_size"]), "mlp.shared_experts.gate_up_proj"),
-    Projection("mlp", "mlp.shared_experts.up_proj", "fp8", "fp8", lambda c: (_shared(c), c["hidden_size"]), "mlp.shared_experts.gate_up_proj"),
-    Projection("mlp", "mlp.shared_experts.down_proj", "fp8", "fp8", lambda c: (c["hidden_size"], _shared(c))),
+    Projection("kda", "self_attn.q_proj", "rejected", "fp8", ("kda_width", _H), _KDA_IN, _KDA_IN + ".qkv"),
+    Projection("kda", "self_attn.k_proj", "rejected", "fp8", ("kda_width", _H), _KDA_IN, _KDA_IN + ".qkv"),
+    Projection("kda", "self_attn.v_proj", "rejected", "fp8", ("kda_width", _H), _KDA_IN, _KDA_IN + ".qkv"),
+    Projection("kda", "self_attn.b_proj", "rejected", "bf16_at_load", ("linear_num_heads", _H), _KDA_IN, _KDA_IN + ".bfg_a"),
+    Projection("kda", "self_attn.f_a_proj", "rejected", "bf16_at_load", ("linear_head_dim", _H), _KDA_IN, _KDA_IN + ".bfg_a"),
+    Projection("kda", "self_attn.f_b_proj", "rejected", "fp8", ("kda_width", "linear_head_dim")),
+    Projection("kda", "self_attn.g_a_proj", "rejected", "bf16_at_load", ("linear_head_dim", _H), _KDA_IN, _KDA_IN + ".bfg_a"),
+    Projection("kda", "self_attn.g_b_proj", "rejected", "fp8", ("kda_width", "linear_head_dim")),
+    Projection("kda", "self_attn.o_proj", "bf16_at_load", "fp8", (_H, "kda_width")),
+    Projection("mla", "self_attn.q_a_proj", "bf16_at_load", "fp8", ("q_lora_rank", _H), _MLA_QKV_A),
+    Projection("mla", "self_attn.q_b_proj", "bf16_at_load", "fp8", ("mla_q_width", "q_lora_rank")),
+    Projection("mla", "self_attn.kv_a_proj_with_mqa", "bf16_at_load", "fp8", ("mla_kv_a_rows", _H), _MLA_QKV_A),
+    Projection("mla", "self_attn.kv_b_proj", "rejected", "bf16_at_load", ("mla_kv_b_rows", "kv_lora_rank")),
+    Projection("mla", "self_attn.o_proj", "bf16_at_load", "fp8", (_H, "mla_v_width")),
+    Projection("mla", "self_attn.indexer.wq_b", "rejected", "fp8", ("index_q_width", "q_lora_rank")),
+    Projection("mla", "self_attn.indexer.wk", "bf16_at_load", "bf16_at_load", ("index_head_dim", _H), _WK),
+    Projection("mla", "self_attn.indexer.weights_proj", "rejected", "bf16_at_load", ("index_n_heads", _H), _WK),
+    Projection("mlp", "mlp.gate_proj", "fp8", "fp8", ("intermediate_size", _H), "mlp.gate_up_proj"),
+    Projection("mlp", "mlp.up_proj", "fp8", "fp8", ("intermediate_size", _H), "mlp.gate_up_proj"),
+    Projection("mlp", "mlp.down_proj", "fp8", "fp8", (_H, "intermediate_size")),
+    Projection("mlp", "mlp.shared_experts.gate_proj", "fp8", "fp8", ("shared_intermediate", _H), "mlp.shared_experts.gate_up_proj"),
+    Projection("mlp", "mlp.shared_experts.up_proj", "fp8", "fp8", ("shared_intermediate", _H), "mlp.shared_experts.gate_up_proj"),
+    Projection("mlp", "mlp.shared_experts.down_proj", "fp8", "fp8", (_H, "shared_intermediate")),
 )
 # A routed expert's projections, relative to `mlp.experts.E`: vLLM's FusedMoE loads them with the
 # fp8 config as one [2I, H] GEMM per expert (w13, gate rows first) and w2.
 EXPERT_PROJECTIONS: tuple[Projection, ...] = (
-    Projection("mlp", "gate_proj", "fp8", "fp8", lambda c: (c["moe_intermediate_size"], c["hidden_size"]), "gate_up"),
-    Projection("mlp", "up_proj", "fp8", "fp8", lambda c: (c["moe_intermediate_size"], c["hidden_size"]), "gate_up"),
-    Projection("mlp", "down_proj", "fp8", "fp8", lambda c: (c["hidden_size"], c["moe_intermediate_size"])),
+    Projection("mlp", "gate_proj", "fp8", "fp8", ("moe_intermediate_size", _H), "gate_up"),
+    Projection("mlp", "up_proj", "fp8", "fp8", ("moe_intermediate_size", _H), "gate_up"),
+    Projection("mlp", "down_proj", "fp8", "fp8", (_H, "moe_intermediate_size")),
 )
 
 
