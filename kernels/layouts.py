@@ -81,7 +81,6 @@ FP8_MAX = 448.0
 # fp8_ds_mla row: 512 fp8 values, 4 fp32 scales, 64 bf16 RoPE values (unused by GLM-5.3-Flash).
 FP8_DS_MLA_ROW_BYTES = 656
 FP8_DS_MLA_SCALE_OFFSET = 512
-BF16_ROW_BYTES = LATENT_DIM * 2
 
 INDEXER_HEAD_DIM = 128
 INDEXER_ROW_BYTES = INDEXER_HEAD_DIM + 4
@@ -91,7 +90,6 @@ FP8_ROW_BYTES = LATENT_DIM
 KV_BF16 = "bf16"
 KV_FP8 = "fp8"
 KV_FP8_DS_MLA = "fp8_ds_mla"
-KV_FORMATS = (KV_BF16, KV_FP8, KV_FP8_DS_MLA)
 
 
 def mla_kv_format(kv_cache: torch.Tensor) -> str:

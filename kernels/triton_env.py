@@ -63,17 +63,50 @@ def import_interpreted(*module_names: str) -> list | None:
     return modules
 
 
-def run_in_fresh_interpreter_process(test_file: str, timeout: float = 600.0) -> None:
+def run_in_fresh_interpreter_process(test_file: str, timeout: float = 600.0, cwd: str | None = None) -> None:
     """Run a kernel test file under ``TRITON_INTERPRET=1`` in a new Python process; raise with its
-    output when it fails."""
+    output unless it passed at least one test and failed none. A child that collected nothing or
+    skipped everything exits 0 too, but proved nothing."""
     import subprocess
     import sys
+    import tempfile
+    from pathlib import Path
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
-    if result.returncode != 0:
-        raise AssertionError(f"{test_file} failed in a fresh process:\n{result.stdout[-4000:]}"
+    with tempfile.TemporaryDirectory(prefix="glmctl-fresh-") as tmp:
+        report = Path(tmp) / "junit.xml"
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", test_file],
+            capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd,
+        )
+        problem = child_run_problem(result.returncode, junit_counts(report))
+    if problem is not None:
+        raise AssertionError(f"{test_file} in a fresh process: {problem}\n{result.stdout[-4000:]}"
                              f"\n{result.stderr[-2000:]}")
+
+
+def junit_counts(report) -> dict[str, int] | None:
+    """{"tests", "failures", "errors", "skipped"} summed over a pytest JUnit XML report's suites;
+    None when there is no readable report (the child died before writing it)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(report).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    return {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+
+
+def child_run_problem(returncode: int, counts: dict[str, int] | None) -> str | None:
+    """Why a fresh-process test run does not count as passed, or None when it does."""
+    if counts is None:
+        return f"no test report (exit status {returncode})"
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    if counts["failures"] or counts["errors"]:
+        return f"{counts['failures']} failed, {counts['errors']} errors, {passed} passed"
+    if returncode != 0:
+        return f"exit status {returncode}"
+    if passed < 1:
+        return f"no test passed ({counts['tests']} collected, {counts['skipped']} skipped)"
+    return None

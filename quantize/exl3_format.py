@@ -79,7 +79,6 @@ CHANNEL_BLOCK = 128  # Hadamard block: every dim and every TP slice is a multipl
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
 DEFAULT_TP_DEGREES = (1, 2, 4, 8)
 REPORT_FILE = "glmctl-exl3-report.json"
-SUFFIXES = ("trellis", "suh", "svh", "mul1")
 
 Projection = Literal["gate_proj", "up_proj", "down_proj"]
 PROJECTIONS: tuple[Projection, ...] = ("gate_proj", "up_proj", "down_proj")

@@ -78,10 +78,6 @@ def is_active() -> bool:
     return _active_target is not None
 
 
-def active_target() -> Target | None:
-    return _active_target
-
-
 def installed_adapters() -> tuple[str, ...]:
     return tuple(_installed)
 
@@ -137,10 +133,11 @@ def activate(decision: PlatformDecision, because: str) -> None:
     if _active_target is not None:
         return
     assert decision.target is not None
-    from glmctl.plugin import adapters
+    from glmctl.plugin import adapters, kernel_table
 
     _installed.extend(adapters.install(decision.target))
     _active_target = decision.target
+    kernel_table.use_target(decision.target)
     logger.info(
         "glmctl plugin: active for GLM-5.3-Flash (%s; %s): %s [%s=%s]",
         decision.reason,

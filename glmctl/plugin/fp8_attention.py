@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
 from glmctl.plugin.fp8_selection import (
     ENV_ACTIVE,
@@ -227,15 +226,3 @@ def mla_fp8_units(config, plan: Fp8AttentionPlan, prefix: str, input_size: int |
         units.append("indexer.wq_b")
     return units
 
-
-_ATTN_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mtp_block\.)?self_attn$")
-
-
-def attention_modules(model) -> dict[int, object]:
-    """layer index -> self_attn module of a built Glm5NextModel / Glm5NextMTP."""
-    found = {}
-    for name, module in model.named_modules():
-        m = _ATTN_MODULE.search(name)
-        if m:
-            found[int(m[1])] = module
-    return found

@@ -19,20 +19,30 @@ set of parameters vLLM's loader reports as loaded. Per checkpoint tensor `...lay
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from glmctl.errors import ConfigError
-from glmctl.plugin.fp8_attention import attention_modules
-from glmctl.plugin.fp8_selection import KDA_BFG_A, KDA_INPUT, KDA_QKV, MLA_QKV_A, site
+from glmctl.plugin.fp8_selection import ATTENTION_ROWS, KDA_BFG_A, KDA_INPUT, KDA_QKV, site
 from glmctl.quantize.fp8 import dequantize_block_fp8
 
-# checkpoint leaf -> the module under self_attn that holds it in vLLM
-_TARGET = {**{leaf: "in_proj_qkvbfg_a" for leaf in KDA_INPUT}, **{leaf: "fused_qkv_a_proj" for leaf in MLA_QKV_A},
-           "indexer.wk": "indexer.wk_weights_proj", "indexer.weights_proj": "indexer.wk_weights_proj"}
+# checkpoint leaf -> the fused module under self_attn that holds it in vLLM
+_TARGET = {leaf: p.gemm.removeprefix("self_attn.") for _, leaf, p in ATTENTION_ROWS if p.fused}
 # FP8 leaves vLLM 0.30's loader has no BF16-at-load path for (it has one for q_a/kv_a, q_b, o_proj, wk)
-_DEQUANTIZED_HERE = frozenset(KDA_INPUT) | {"f_b_proj", "g_b_proj", "kv_b_proj", "indexer.wq_b",
-                                             "indexer.weights_proj"}
+_DEQUANTIZED_HERE = frozenset(leaf for _, leaf, p in ATTENTION_ROWS if p.stock == "rejected")
 _CONSUMED = object()
+_ATTN_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mtp_block\.)?self_attn$")
+
+
+def attention_modules(model) -> dict[int, object]:
+    """layer index -> self_attn module of a built Glm5NextModel / Glm5NextMTP."""
+    found = {}
+    for name, module in model.named_modules():
+        m = _ATTN_MODULE.search(name)
+        if m:
+            found[int(m[1])] = module
+    return found
 
 
 def wrap_load_weights(stock):

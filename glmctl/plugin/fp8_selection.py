@@ -2,29 +2,10 @@
 no vLLM, so they are unit-testable anywhere).
 
 Stock vLLM 0.30 builds every KDA and MLA projection without a quant config, so a block-FP8
-checkpoint (`glmctl quantize fp8`) is either dequantised at load or refused there
-(`glmctl.quantize.glm5next`). With the plugin, each projection is one *unit* (one GEMM in vLLM):
-
-| layer | unit (module under self_attn)  | checkpoint leaves, in GEMM order   | with an FP8 checkpoint          |
-|-------|--------------------------------|------------------------------------|---------------------------------|
-| KDA   | in_proj_qkvbfg_a.qkv           | q_proj, k_proj, v_proj             | FP8 GEMM                        |
-| KDA   | in_proj_qkvbfg_a.bfg_a         | b_proj, f_a_proj, g_a_proj         | BF16 GEMM (FP8 on disk: dequantised at load) |
-| KDA   | f_b_proj, g_b_proj, o_proj     | same name                          | FP8 GEMM                        |
-| MLA   | fused_qkv_a_proj               | q_a_proj, kv_a_proj_with_mqa       | FP8 GEMM                        |
-| MLA   | q_b_proj, o_proj, indexer.wq_b | same name                          | FP8 GEMM                        |
-| MLA   | kv_b_proj                      | kv_b_proj                          | BF16 (dequantised at load)      |
-| MLA   | indexer.wk_weights_proj        | indexer.wk, indexer.weights_proj   | BF16 (dequantised at load)      |
-
-Why the BF16 rows stay BF16:
-- `b_proj` has one row per head (64, or 8 per rank at TP 8): inside a fused FP8 GEMM it would end
-  in a partial 128-row block and shift the scale blocks of `f_a`/`g_a` behind it (vLLM rounds each
-  shard's scale offset up to a block, its kernels index scales by row // 128). So vLLM's fused
-  `in_proj_qkvbfg_a` becomes two GEMMs and the layer concatenates them back in vLLM's order.
-- `kv_b_proj`: vLLM's `MLAAttention` absorbs it into BF16 `W_UK_T`/`W_UV` after loading (it has no
-  FP8 batched matmul). Those alias a BF16 `kv_b_proj` weight but are a separate copy of an FP8 one,
-  so FP8 would hold 3 bytes per weight instead of 2.
-- `indexer.wk` is fused with `weights_proj`, whose weights the indexer reads in fp32 straight from
-  the fused parameter; both are replicated 128 + 32 rows (about 1 MiB per layer).
+checkpoint (`glmctl quantize fp8`) is either dequantised at load or refused there. With the plugin,
+each projection is one *unit* (one GEMM in vLLM): the `plugin_gemm` of its row in
+`glmctl.quantize.glm5next.PROJECTIONS`, FP8 or BF16 as that row's `plugin` fate says (the reasons
+for the BF16 ones are there too). `FP8_UNITS` and `BF16_UNITS` are those rows by layer kind.
 
 A unit is FP8 when every leaf of it has a `weight_scale_inv` in the checkpoint (read from its
 index, or the shard headers) and its shape fits block FP8 at the tensor-parallel size (vLLM's
@@ -46,28 +27,44 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from glmctl.quantize.glm5next import PROJECTIONS, Projection
+
 ENV_SWITCH = "GLMCTL_FP8_ATTENTION"
 ENV_METHOD = "GLMCTL_FP8_ATTENTION_METHOD"
 # Set by the process that saw a block-FP8 GLM-5.3-Flash config; inherited by engine and workers.
 ENV_ACTIVE = "GLMCTL_FP8_ATTENTION_ACTIVE"
 
-KDA_QKV = ("q_proj", "k_proj", "v_proj")
-KDA_BFG_A = ("b_proj", "f_a_proj", "g_a_proj")
-KDA_INPUT = KDA_QKV + KDA_BFG_A  # vLLM's in_proj_qkvbfg_a shard order
-MLA_QKV_A = ("q_a_proj", "kv_a_proj_with_mqa")
+_ATTENTION = "self_attn."
+# (layer kind, leaf under self_attn, its row) for every attention projection, in checkpoint order
+ATTENTION_ROWS: tuple[tuple[str, str, Projection], ...] = tuple(
+    (p.family, p.leaf.removeprefix(_ATTENTION), p) for p in PROJECTIONS if p.family in ("kda", "mla"))
 
-# unit -> checkpoint leaves (relative to self_attn), for the units that can be FP8
-FP8_UNITS: dict[str, dict[str, tuple[str, ...]]] = {
-    "kda": {"in_proj_qkvbfg_a.qkv": KDA_QKV, "f_b_proj": ("f_b_proj",), "g_b_proj": ("g_b_proj",),
-            "o_proj": ("o_proj",)},
-    "mla": {"fused_qkv_a_proj": MLA_QKV_A, "q_b_proj": ("q_b_proj",), "o_proj": ("o_proj",),
-            "indexer.wq_b": ("indexer.wq_b",)},
-}
+
+def _members(family: str, gemm: str, plugin: bool = False) -> tuple[str, ...]:
+    """The leaves vLLM (or, with `plugin`, the plugin) builds into the GEMM `self_attn.<gemm>`."""
+    return tuple(leaf for f, leaf, p in ATTENTION_ROWS
+                 if f == family and (p.plugin_gemm if plugin else p.gemm) == _ATTENTION + gemm)
+
+
+def _units(fate: str) -> dict[str, dict[str, tuple[str, ...]]]:
+    units: dict[str, dict[str, tuple[str, ...]]] = {}
+    for family, leaf, p in ATTENTION_ROWS:
+        if p.plugin == fate:
+            unit = p.plugin_gemm.removeprefix(_ATTENTION)
+            by_unit = units.setdefault(family, {})
+            by_unit[unit] = (*by_unit.get(unit, ()), leaf)
+    return units
+
+
+KDA_QKV = _members("kda", "in_proj_qkvbfg_a.qkv", plugin=True)
+KDA_BFG_A = _members("kda", "in_proj_qkvbfg_a.bfg_a", plugin=True)
+KDA_INPUT = _members("kda", "in_proj_qkvbfg_a")  # vLLM's in_proj_qkvbfg_a shard order
+MLA_QKV_A = _members("mla", "fused_qkv_a_proj")
+
+# layer kind -> unit -> checkpoint leaves (relative to self_attn), for the units that can be FP8
+FP8_UNITS: dict[str, dict[str, tuple[str, ...]]] = _units("fp8")
 # units that stay in the model dtype whatever the checkpoint holds
-BF16_UNITS: dict[str, dict[str, tuple[str, ...]]] = {
-    "kda": {"in_proj_qkvbfg_a.bfg_a": KDA_BFG_A},
-    "mla": {"kv_b_proj": ("kv_b_proj",), "indexer.wk_weights_proj": ("indexer.wk", "indexer.weights_proj")},
-}
+BF16_UNITS: dict[str, dict[str, tuple[str, ...]]] = _units("bf16_at_load")
 
 _SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mtp_block\.)?self_attn\.(.+)$")
 _OFF = ("off", "0", "false", "no")

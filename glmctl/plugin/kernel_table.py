@@ -12,11 +12,17 @@ from types import SimpleNamespace
 
 from glmctl.plugin.policy import Target
 
+_process_target: Target | None = None
+
+
+def use_target(target: Target) -> None:
+    """The target this process's adapters look their kernels up for (set once, on activation)."""
+    global _process_target
+    _process_target = target
+
 
 def _target() -> Target:
-    from glmctl.plugin.activation import active_target
-
-    return active_target() or Target.TORCH
+    return _process_target or Target.TORCH
 
 
 def indexer_kernels(target: Target | None = None) -> SimpleNamespace:

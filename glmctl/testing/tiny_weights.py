@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
+
+from glmctl.quantize.glm5next import EXPERT_PROJECTIONS, Projection, projections
+from glmctl.testing.tiny_spec import TinySpec
 
 if TYPE_CHECKING:
     import torch
-
-    from glmctl.testing.tiny_checkpoint import TinySpec
 
 Dtype = Literal["bf16", "fp32"]
 
@@ -76,52 +77,48 @@ def _mhc(prefix: str, spec: TinySpec) -> list[TensorPlan]:
     return out
 
 
+def _dims(spec: TinySpec) -> dict[str, int]:
+    """The spec under config.json's names, as `Projection.shape` reads them (no RoPE dims)."""
+    return {**asdict(spec), "qk_rope_head_dim": 0}
+
+
+def _projections(prefix: str, rows: tuple[Projection, ...], spec: TinySpec) -> list[TensorPlan]:
+    dims = _dims(spec)
+    return [_linear(f"{prefix}{p.leaf}.weight", *p.shape(dims)) for p in rows]
+
+
 def _kda(prefix: str, spec: TinySpec) -> list[TensorPlan]:
-    h, d, nh, k = spec.hidden_size, spec.linear_head_dim, spec.linear_num_heads, spec.linear_conv_kernel_dim
+    d, nh, k = spec.linear_head_dim, spec.linear_num_heads, spec.linear_conv_kernel_dim
     p = nh * d
     a = f"{prefix}self_attn."
     return [
-        _linear(f"{a}q_proj.weight", p, h),
-        _linear(f"{a}k_proj.weight", p, h),
-        _linear(f"{a}v_proj.weight", p, h),
+        *_projections(prefix, projections("kda"), spec),
         # Depthwise causal conv, [channels, 1, kernel] as transformers' Conv1d stores it.
         *(TensorPlan(f"{a}{x}_conv1d.weight", (p, 1, k), "fp32", ("normal", 0.0, 0.5)) for x in "qkv"),
-        _linear(f"{a}f_a_proj.weight", d, h),
-        _linear(f"{a}f_b_proj.weight", p, d),
         # dt in [1e-3, 1e-1] through inverse softplus (the FLA init transformers uses).
         TensorPlan(f"{a}dt_bias", (p,), "fp32", ("softplus_inv_uniform_log", math.log(1e-3), math.log(1e-1))),
         # Per-head decay rate exp(A_log) in [0.6, 2.7]: heads forget at visibly different speeds.
         TensorPlan(f"{a}A_log", (nh,), "fp32", ("uniform", -0.5, 1.0)),
-        _linear(f"{a}b_proj.weight", nh, h),
-        _linear(f"{a}g_a_proj.weight", d, h),
-        _linear(f"{a}g_b_proj.weight", p, d),
         _norm(f"{a}o_norm.weight", d),
-        _linear(f"{a}o_proj.weight", h, p),
     ]
 
 
 def _mla(prefix: str, spec: TinySpec, with_indexer: bool) -> list[TensorPlan]:
-    h, nh, ql, kvl = spec.hidden_size, spec.num_attention_heads, spec.q_lora_rank, spec.kv_lora_rank
-    nope, v = spec.qk_nope_head_dim, spec.v_head_dim
+    h = spec.hidden_size
     a = f"{prefix}self_attn."
+    attention = tuple(p for p in projections("mla") if not p.leaf.startswith("self_attn.indexer."))
     out = [
-        _linear(f"{a}q_a_proj.weight", ql, h),
-        _norm(f"{a}q_a_layernorm.weight", ql),
-        _linear(f"{a}q_b_proj.weight", nh * nope, ql),  # NoPE: qk_head_dim == qk_nope_head_dim
-        _linear(f"{a}kv_a_proj_with_mqa.weight", kvl, h),  # no RoPE rows (qk_rope_head_dim 0)
-        _norm(f"{a}kv_a_layernorm.weight", kvl),
-        _linear(f"{a}kv_b_proj.weight", nh * (nope + v), kvl),
-        _linear(f"{a}o_proj.weight", h, nh * v),
+        *_projections(prefix, attention, spec),
+        _norm(f"{a}q_a_layernorm.weight", spec.q_lora_rank),
+        _norm(f"{a}kv_a_layernorm.weight", spec.kv_lora_rank),
     ]
     if with_indexer:
         i = f"{a}indexer."
-        ihd, inh = spec.index_head_dim, spec.index_n_heads
+        ihd = spec.index_head_dim
         out += [
-            _linear(f"{i}wq_b.weight", inh * ihd, ql),
-            _linear(f"{i}wk.weight", ihd, h),
+            *_projections(prefix, projections("mla", "self_attn.indexer."), spec),
             _norm(f"{i}k_norm.weight", ihd, dtype="fp32"),
             TensorPlan(f"{i}k_norm.bias", (ihd,), "fp32", ("normal", 0.0, 0.1)),
-            _linear(f"{i}weights_proj.weight", inh, h),
             # Pool gate and positional bias: random so the softmax pooling weights differ per token
             # and per slot (transformers' ones/zeros init would make every pool a plain mean).
             TensorPlan(f"{i}index_kpool_compress_ape", (spec.index_kpool, ihd), "fp32", ("normal", 0.0, 0.5)),
@@ -133,24 +130,18 @@ def _mla(prefix: str, spec: TinySpec, with_indexer: bool) -> list[TensorPlan]:
 def _mlp(prefix: str, spec: TinySpec, kind: str) -> list[TensorPlan]:
     h = spec.hidden_size
     m = f"{prefix}mlp."
+    dense = tuple(p for p in projections("mlp") if not p.leaf.startswith("mlp.shared_experts."))
     if kind == "dense":
-        i = spec.intermediate_size
-        return [_linear(f"{m}gate_proj.weight", i, h), _linear(f"{m}up_proj.weight", i, h),
-                _linear(f"{m}down_proj.weight", h, i)]
-    i, e = spec.moe_intermediate_size, spec.n_routed_experts
+        return _projections(prefix, dense, spec)
+    e = spec.n_routed_experts
     out = [
         _linear(f"{m}gate.weight", e, h, dtype="fp32"),
         # Non-zero correction bias: an implementation that ignores it picks other experts.
         TensorPlan(f"{m}gate.e_score_correction_bias", (e,), "fp32", ("normal", 0.0, 0.05)),
     ]
     for x in range(e):
-        out += [_linear(f"{m}experts.{x}.gate_proj.weight", i, h), _linear(f"{m}experts.{x}.up_proj.weight", i, h),
-                _linear(f"{m}experts.{x}.down_proj.weight", h, i)]
-    si = i * spec.n_shared_experts
-    out += [_linear(f"{m}shared_experts.gate_proj.weight", si, h),
-            _linear(f"{m}shared_experts.up_proj.weight", si, h),
-            _linear(f"{m}shared_experts.down_proj.weight", h, si)]
-    return out
+        out += _projections(f"{m}experts.{x}.", EXPERT_PROJECTIONS, spec)
+    return out + _projections(prefix, projections("mlp", "mlp.shared_experts."), spec)
 
 
 def tensor_plan(spec: TinySpec) -> list[TensorPlan]:

@@ -109,3 +109,17 @@ def test_checkpoint_tensor_names_of_an_uncached_hub_id_is_none(tmp_path, monkeyp
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert sel.checkpoint_tensor_names("nobody/not-a-cached-model") is None
+
+
+def test_units_are_the_projection_table_split_by_fate():
+    """Every attention projection of `glm5next.PROJECTIONS` is in exactly one unit of its layer kind,
+    FP8 or BF16 as its `plugin` fate says; a fused unit keeps the table's (vLLM's) shard order."""
+    from glmctl.quantize.glm5next import PROJECTIONS
+
+    for kind in ("kda", "mla"):
+        rows = [p for p in PROJECTIONS if p.family == kind]
+        fp8 = [leaf for leaves in sel.FP8_UNITS[kind].values() for leaf in leaves]
+        bf16 = [leaf for leaves in sel.BF16_UNITS[kind].values() for leaf in leaves]
+        assert sorted(fp8 + bf16) == sorted(p.leaf.removeprefix("self_attn.") for p in rows)
+        assert set(fp8) == {p.leaf.removeprefix("self_attn.") for p in rows if p.plugin == "fp8"}
+    assert sel.KDA_INPUT == sel.KDA_QKV + sel.KDA_BFG_A
