@@ -143,3 +143,17 @@ def choose(pool: PoolShape, draft_pages: list[int], draft_blocks: int, sliding_w
     if alias.block_bytes * alias.blocks_per_request <= append.block_bytes * append.blocks_per_request:
         return alias
     return append
+
+
+def serving_limits(platform: str) -> list[str]:
+    """What glmctl's DFlash2 support cannot do on a platform (the serve preflight prints these)."""
+    if platform == "cpu":
+        return [
+            "DFlash2 on vLLM CPU: drafts are the candidate selector's greedy walk for every request; "
+            "vLLM 0.30 has DFlash2's sampled walk only in its V2 GPU runner, which needs Triton (sampled "
+            "requests stay exact, since drafts are verified by rejection sampling, but accept fewer drafts)",
+        ]
+    return [
+        "DFlash2 on CUDA: vLLM's V2 speculator graphs the 1 + drafts query forward (FULL CUDA graphs, "
+        "uniform decode batches); its context K/V projection runs eagerly each step (vLLM's design)",
+    ]
