@@ -122,6 +122,11 @@ def _run(checkpoints, engines: list[dict], tmp_path, timeout: float = 540) -> tu
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm" / "dflash2_parity.py"), str(request)],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     seconds = time.monotonic() - started
+    work = os.environ.get("GLMCTL_GPU_LANE_WORK")
+    if work:  # the lane keeps every engine's request and output
+        stem = Path(work) / f"dflash2-{tmp_path.name}"
+        stem.with_suffix(".request.json").write_text(request.read_text())
+        stem.with_suffix(".log").write_text(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
     if proc.returncode != 0 or not lines:
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}, seconds
