@@ -42,7 +42,8 @@ def install() -> str:
     stock_usage = kcu._max_memory_usage_bytes_from_groups
 
     def _get_kv_cache_groups_glm5_next(vllm_config, kv_cache_spec):
-        draft = draft_specs(kv_cache_spec)
+        spec = getattr(vllm_config, "speculative_config", None)
+        draft = draft_specs(kv_cache_spec) if getattr(spec, "method", None) == "dflash" else {}
         if not draft:
             return stock_groups(vllm_config, kv_cache_spec)
         groups = stock_groups(vllm_config, {k: v for k, v in kv_cache_spec.items() if k not in draft})
@@ -94,15 +95,22 @@ def install() -> str:
 
 def draft_specs(kv_cache_spec: dict) -> dict:
     """The plain attention layers next to GLM-5.3-Flash's MLA/KDA/tail layers: a drafter's."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, KpoolTailSpec, MambaSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        CrossAttentionSpec,
+        EncoderOnlyAttentionSpec,
+        KpoolTailSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+    )
 
+    not_draft = (MLAAttentionSpec, MambaSpec, KpoolTailSpec, EncoderOnlyAttentionSpec, CrossAttentionSpec)
     specs = dict(_layer_specs(kv_cache_spec))
     if not any(isinstance(s, MambaSpec) for s in specs.values()):
         return {}
     if not any(type(s) is MLAAttentionSpec for s in specs.values()):
         return {}
-    return {name: s for name, s in specs.items()
-            if isinstance(s, AttentionSpec) and not isinstance(s, (MLAAttentionSpec, MambaSpec, KpoolTailSpec))}
+    return {name: s for name, s in specs.items() if isinstance(s, AttentionSpec) and not isinstance(s, not_draft)}
 
 
 def _layer_specs(kv_cache_spec: dict):
