@@ -35,9 +35,10 @@ What GLM-5.3-Flash needs on top, installed here (none of it is a fork):
   drafts as DFlash2 and the refusal can be lifted for GLM-5.3-Flash; and the DFlash input
   kernel in torch (vLLM CPU rebinds the Triton kernel by a name the proposer no longer calls).
 
-Limits that remain (the serve preflight states them): on V1 the walk is greedy for every request
-(V1 verifies drafts without draft probabilities, so sampled requests stay exact, but DFlash2's
-sampled walk is V2-only); the draft block size must equal the target's.
+Limits that remain (the serve preflight states them): on V1 the walk is always greedy, as it is
+by default on V2 (`draft_sample_method: probabilistic` samples it on V2 only; V1 verifies greedy
+drafts by rejection sampling, so sampled requests stay exact); the drafter's KV block size must
+equal the target's (it does whenever vLLM builds both from one cache config).
 """
 
 from __future__ import annotations

@@ -149,9 +149,9 @@ def serving_limits(platform: str) -> list[str]:
     """What glmctl's DFlash2 support cannot do on a platform (the serve preflight prints these)."""
     if platform == "cpu":
         return [
-            "DFlash2 on vLLM CPU: drafts are the candidate selector's greedy walk for every request; "
-            "vLLM 0.30 has DFlash2's sampled walk only in its V2 GPU runner, which needs Triton (sampled "
-            "requests stay exact, since drafts are verified by rejection sampling, but accept fewer drafts)",
+            "DFlash2 on vLLM CPU: drafts are always the candidate selector's greedy walk (vLLM's default "
+            "on CUDA too); speculative_config.draft_sample_method=probabilistic samples the walk only in "
+            "vLLM's V2 GPU runner, which needs Triton. Verification is exact either way",
         ]
     return [
         "DFlash2 on CUDA: vLLM's V2 speculator graphs the 1 + drafts query forward (FULL CUDA graphs, "

@@ -141,10 +141,14 @@ def _first_divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
+TIE_NATS = 0.05  # bf16 on GPU: a top-1 margin this small is inside the kernels' rounding
+
+
 def greedy_verdict(plain: dict, runs: dict, mode: str) -> tuple[bool, str, list]:
     """The MTP tests' rule: equal to plain decoding in the verify shape ("batch6"), token for
     token; a divergence only where plain decoding alone ("single") takes the same token from the
-    same prefix (a near-tie resolved differently by another batch composition)."""
+    same prefix (a near-tie resolved differently by another batch composition), or where plain
+    decoding's top-1 margin is under TIE_NATS and the token taken is its second choice."""
     problems, ties = [], []
     for name in PROMPTS:
         want, got, alone = _tokens(plain["batch6"][name]), _tokens(runs[name]), _tokens(plain["single"][name])
@@ -156,7 +160,8 @@ def greedy_verdict(plain: dict, runs: dict, mode: str) -> tuple[bool, str, list]
             continue
         top = plain["batch6"][name][i]["top"]
         margin = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
-        if alone[: i + 1] == got[: i + 1]:
+        second = top[1][0] if len(top) > 1 else None
+        if alone[: i + 1] == got[: i + 1] or (margin <= TIE_NATS and got[i] == second):
             ties.append((name, i, round(margin, 4)))
         else:
             problems.append(f"{mode} {name}: step {i} gives {got[i]}, plain {want[i]} (margin {margin:.3f} nats), "
