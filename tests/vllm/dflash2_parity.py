@@ -155,10 +155,19 @@ def _batched(llm, prompts: dict, tokens: int) -> dict:
 
 
 def _engine_facts(llm) -> dict:
+    """What the engine built: KV capacity (vLLM's figure), the drafter's placement, blocks, backends."""
     facts: dict = {}
     try:
         engine = llm.llm_engine.engine_core.engine_core
+        facts["kv_tokens"] = engine.vllm_config.cache_config.kv_cache_size_tokens
+    except Exception as exc:  # noqa: BLE001 - the log line stands in
+        facts["kv_tokens_error"] = repr(exc)
+    try:
         runner = engine.model_executor.driver_worker.worker.model_runner
+        from glmctl.plugin.dflash2_kv import split_draft
+
+        split = split_draft(runner.kv_cache_config.kv_cache_groups)
+        facts["placement"] = split[2] if split is not None else None
         facts["block_sizes"] = sorted({int(g.kv_cache_spec.block_size)
                                        for g in runner.kv_cache_config.kv_cache_groups})
         facts["num_blocks"] = int(runner.kv_cache_config.num_blocks)
@@ -183,11 +192,14 @@ def run_engine(spec: dict, request: dict, drafts: Drafts, log: KvLog, reference:
         os.environ.pop("GLMCTL_DFLASH2_KV", None)
     prompts, tokens = request["prompts"], request["tokens"]
     started = time.monotonic()
+    logged = len(log.tokens), len(log.placements)
     llm = LLM(model=request["checkpoint"], **kwargs)
-    part: dict = {"kv_tokens": log.tokens[-1] if log.tokens else None,
-                  "placement": log.placements[-1] if spec.get("dflash2") and log.placements else None,
-                  "facts": _engine_facts(llm), "seconds": {"start": round(time.monotonic() - started, 1)},
-                  "proposals": {}}
+    facts = _engine_facts(llm)
+    # vLLM logs its capacity once per distinct message: the config's figure, else a new log line
+    kv_tokens = facts.get("kv_tokens") or (log.tokens[-1] if len(log.tokens) > logged[0] else None)
+    placement = facts.get("placement") or (log.placements[-1] if len(log.placements) > logged[1] else None)
+    part: dict = {"kv_tokens": kv_tokens, "placement": placement if spec.get("dflash2") else None,
+                  "facts": facts, "seconds": {"start": round(time.monotonic() - started, 1)}, "proposals": {}}
     walks0 = drafts.selector_walks
     for run in spec.get("runs", []):
         t0 = time.monotonic()

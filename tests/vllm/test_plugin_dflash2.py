@@ -58,6 +58,8 @@ def runs(tiny_checkpoint, tiny_drafter, tmp_path_factory, monkeypatch_module):
                                    "engines": ENGINES}))
     out = run_report([str(REPO / "tests" / "vllm" / "dflash2_parity.py"), str(request)], timeout=2700,
                      stderr_tail=6000)
+    (request.parent / "report.json").write_text(json.dumps(out))
+    print(f"DFlash2 engines' report: {request.parent / 'report.json'}")
     failed = {label: part["traceback"] for label, part in out.items() if "error" in part}
     assert not failed, failed
     return out
