@@ -70,3 +70,14 @@ def tiny_checkpoint(tmp_path_factory):
     from glmctl.testing.tiny_checkpoint import build
 
     return build(tmp_path_factory.mktemp("tiny-glm") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tmp_path_factory, tiny_checkpoint):
+    """The tiny DFlash2 drafter (seed 0) for `tiny_checkpoint`, built once per test session.
+
+    A `glmctl.testing.tiny_drafter.TinyDrafterInfo`; `.path` is the directory. Read-only.
+    """
+    from glmctl.testing.tiny_drafter import build
+
+    return build(tmp_path_factory.mktemp("tiny-dflash2") / "ckpt", tiny_checkpoint.path, seed=0)

@@ -9,7 +9,7 @@ import typer
 
 from glmctl._cli.options import JsonOpt, QuietOpt, examples
 
-app = typer.Typer(help="Test fixtures: the tiny GLM-5.3-Flash checkpoint and one TP rank of the real one.",
+app = typer.Typer(help="Test fixtures: the tiny GLM-5.3-Flash checkpoint, its DFlash2 drafter, one TP rank of the real one.",
                   no_args_is_help=True)
 
 
@@ -163,5 +163,71 @@ def _render_rank(console, s: dict) -> None:
                      f"{w['node_gpu_bytes'] / gib:.3f} GiB on a TP{w['tp']} GPU, {w['rank_model_bytes'] / gib:.3f} "
                      "GiB for this model (glmctl plan, predicted)"))
     for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+@app.command(
+    "tiny-drafter",
+    epilog=examples(
+        "glmctl testing tiny-drafter out/tiny-dflash2 --target out/tiny-glm",
+        "glmctl testing tiny-drafter out/tiny-dflash2 --target out/tiny-glm --layers 1 --target-layers 0,1,2",
+    ),
+)
+def tiny_drafter(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to write the drafter.")],
+    target: Annotated[Path, typer.Option("--target", metavar="TINY_DIR", help="The target checkpoint (its hidden size, vocabulary and tokenizer).")],
+    seed: Annotated[int, typer.Option("--seed", help="Weight seed; the same seed gives identical files.")] = 0,
+    layers: Annotated[int, typer.Option("--layers", help="Draft decoder layers.")] = 2,
+    target_layers: Annotated[
+        str | None, typer.Option("--target-layers", help="Target layers whose hidden states the drafter reads, e.g. 0,2.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace DIR if it is not empty.")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write a small random-weight DFlash2 drafter (vLLM's DFlash2DraftModel) for a tiny checkpoint.
+
+    Qwen3-style draft layers with DFlash2's block convolutions and candidate selector, sized to the
+    target (hidden size, vocabulary, mask token); shares the target's embedding and LM head, as
+    vLLM loads DFlash drafters. Written to a temporary directory beside DIR and renamed.
+    """
+    from glmctl._cli.output import Output
+    from glmctl.errors import UsageError, require_module
+
+    out = Output.from_flags(json_, quiet)
+    require_module("torch", "cpu", "building the tiny drafter")
+    from glmctl.testing.tiny_drafter import build
+
+    ids = None
+    if target_layers is not None:
+        try:
+            ids = [int(part) for part in target_layers.split(",") if part.strip()]
+        except ValueError as exc:
+            raise UsageError(f"--target-layers '{target_layers}' is not a comma-separated list of layer numbers") from exc
+    with out.progress() as bar:
+        task = bar.add_task("drawing weights", total=None)
+        info = build(directory, target, seed=seed, force=force, layers=layers, target_layer_ids=ids,
+                     on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    out.result(info.summary(), render=lambda console: _render_drafter(console, info.summary()))
+
+
+def _render_drafter(console, s: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"tiny DFlash2 drafter: {s['path']}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    d = s["dflash_config"]
+    for k, v in [
+        ("architecture", f"{s['architecture']} (model_type {s['model_type']})"),
+        ("target", s["target"]),
+        ("parameters", f"{s['params'] / 1e6:.2f} M in {s['tensors']} tensors (+ the target's embedding and head)"),
+        ("layers", f"{s['layers']}; {s['attention']}; hidden {s['hidden_size']}, vocab {s['vocab_size']}"),
+        ("reads target layers", ", ".join(map(str, d["target_layer_ids"]))),
+        ("selector", f"top {d['selector_top_k']}, rank {d['selector_rank']}; conv {d['conv_kernel_size']} taps"),
+        ("draft KV", f"{s['kv_bytes_per_token']} bytes per token (bf16 K and V, all layers)"),
+        ("built", f"{s['build_seconds']} s (seed {s['seed']})"),
+    ]:
         table.add_row(k, v)
     console.print(table)

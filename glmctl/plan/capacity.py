@@ -13,6 +13,7 @@ import math
 from pydantic import BaseModel
 
 from glmctl.errors import UsageError
+from glmctl.plan.drafter_kv import DrafterKv, capacity_with_drafter, drafter_kv
 from glmctl.plan.kv_cache import KvCacheLayout, kv_cache_layout, kv_capacity
 from glmctl.plan.model import ModelSpec
 from glmctl.plan.node import NodeSpec
@@ -66,6 +67,7 @@ class CapacityPlan(BaseModel):
     budget_bytes: int  # what vLLM may use on each GPU (or the fixed KV space)
     kv_pool_bytes: int  # left for KV blocks (negative when weights and reserves exceed the budget)
     kv_layout: KvCacheLayout
+    drafter_kv: DrafterKv | None = None  # DFlash2: where the drafter's K/V pages sit in the pool
     kv_per_token: list[KvPerToken]
     kv_bytes_per_token: float  # effective, incl. per-request KDA state and tail at max_model_len
     num_blocks: int
@@ -141,11 +143,12 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         memory.append(MemoryLine(section="drafter", key="drafter", label=f"MTP drafter ({mtp_layers} layer)",
                                  bytes=mtp_drafter_bytes(model, tp, setup.weights, mtp_layers),
                                  basis=f"experts {setup.weights.experts}"))
-    elif spec.method == "dflash2":
+    draft = None
+    if spec.method == "dflash2":
         memory.append(MemoryLine(section="drafter", key="drafter", label="DFlash2 drafter",
                                  bytes=dflash_drafter_bytes(spec.drafter, tp), basis="bf16"))
-        notes.append("DFlash2 drafter KV is not counted: glmctl aliases it onto the target's KV blocks "
-                     "(report, step 10), so it only takes blocks it uses")
+        draft = drafter_kv(layout, spec.drafter, tp, max_model_len)
+        notes.append(f"DFlash2 drafter K/V {draft.placement}ed: {draft.reason} (glmctl.plugin.dflash2_layout)")
     if cuda:
         for r in reserves(model, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=batched, num_spec=num_spec, mtp_layers=mtp_layers,
@@ -160,7 +163,9 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         budget = math.ceil(node.device_memory_bytes * setup.gpu_memory_utilization)
         available, over = budget - used, 0
 
-    cap = kv_capacity(layout, available, max_model_len)
+    cap = kv_capacity(layout, available, max_model_len) if draft is None else \
+        capacity_with_drafter(draft, available, max_model_len)
+    block_bytes = layout.bytes_per_block if draft is None else draft.block_bytes
     short = None
     reason = layout.error
     if reason is None and available < cap.needed_bytes:
@@ -174,7 +179,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
     fits = reason is None
     tokens = cap.kv_tokens if fits else 0
 
-    per_req = layout.bytes_per_request(max_model_len)
+    per_req = cap.blocks_per_request * block_bytes
     kv_per_token = [
         KvPerToken(key="mla", label=f"MLA latent ({kv_dtype})", layers=layout.num_mla_layers,
                    bytes_per_token=layout.num_mla_layers * layout.mla_bytes_per_token),
@@ -183,20 +188,31 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         KvPerToken(key="per_request", label=f"KDA state + indexer tail, per request / {max_model_len:,}",
                    layers=layout.num_kda_layers,
                    bytes_per_token=(layout.tail_blocks + layout.num_kda_groups * layout.kda_blocks_per_group)
-                   * layout.bytes_per_block / max_model_len),
+                   * block_bytes / max_model_len),
     ]
+    if draft is not None:
+        kv_per_token.append(KvPerToken(key="drafter", label=f"DFlash2 drafter K/V ({draft.placement})",
+                                       layers=draft.num_layers, bytes_per_token=draft.bytes_per_token))
     slots_in_use = min(max_num_seqs, int(cap.max_concurrency)) if fits else 0
-    state = slots_in_use * layout.num_kda_groups * layout.kda_blocks_per_group * layout.bytes_per_block
-    tail = slots_in_use * layout.tail_blocks * layout.bytes_per_block
+    state = slots_in_use * layout.num_kda_groups * layout.kda_blocks_per_group * block_bytes
+    tail = slots_in_use * layout.tail_blocks * block_bytes
     pool = max(available, 0)
+    drafter_bytes = 0
+    if draft is not None:  # alias: the drafter's own blocks; append: its pages in every block
+        drafter_bytes = slots_in_use * (draft.draft_blocks_per_request * block_bytes if draft.placement == "alias"
+                                        else cap.blocks_per_request * (block_bytes - layout.bytes_per_block))
     memory += [
         MemoryLine(section="kv", key="kda_state", bytes=state, basis="result",
-                   label=f"KDA state, {slots_in_use} slots x {per_slot_gib(layout):.3f} GiB"),
+                   label=f"KDA state, {slots_in_use} slots x "
+                         f"{layout.num_kda_groups * layout.kda_blocks_per_group * block_bytes / GIB:.3f} GiB"),
         MemoryLine(section="kv", key="indexer_tail", bytes=tail, basis="result",
                    label=f"indexer tails, {slots_in_use} slots"),
-        MemoryLine(section="kv", key="kv_tokens", bytes=pool - state - tail, basis="result",
-                   label="token KV (MLA + indexer)"),
     ]
+    if draft is not None:
+        memory.append(MemoryLine(section="kv", key="drafter_kv", bytes=drafter_bytes, basis="result",
+                                 label=f"DFlash2 drafter K/V ({draft.placement}), {slots_in_use} slots"))
+    memory.append(MemoryLine(section="kv", key="kv_tokens", bytes=pool - state - tail - drafter_bytes,
+                             basis="result", label="token KV (MLA + indexer)"))
     if model.has_vision:
         notes.append("the checkpoint has a vision tower; its weights and encoder cache are not counted "
                      "(the plan is for text serving)")
@@ -221,6 +237,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         budget_bytes=budget,
         kv_pool_bytes=available,
         kv_layout=layout,
+        drafter_kv=draft,
         kv_per_token=kv_per_token,
         kv_bytes_per_token=per_req / max_model_len,
         num_blocks=cap.num_blocks if fits else 0,

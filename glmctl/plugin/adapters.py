@@ -12,10 +12,11 @@ def install(target: Target) -> list[str]:
     # import each other; this is the order vLLM itself uses).
     import vllm.models.glm5next  # noqa: F401
 
-    from glmctl.plugin import mhc, model_hooks, mtp
+    from glmctl.plugin import dflash2, mhc, model_hooks, mtp
 
     installed = [_install_backend_selection(), _register_indexer(), model_hooks.install(),
-                 mtp.install(), mhc.install(target), _install_kpool_block_alignment()]
+                 mtp.install(), mhc.install(target), _install_kpool_block_alignment(),
+                 *dflash2.install(target)]
     if target is Target.TORCH:
         from glmctl.plugin import cpu_ops
 

@@ -144,9 +144,11 @@ def predict(launch: RenderedLaunch, gpus: list | None = None) -> CapacityVerdict
     except GlmctlError as exc:
         return CapacityVerdict(available=False, note=f"the planner cannot plan this checkpoint: {exc.message}")
     slots, length = prof.max_num_seqs, prof.max_model_len
+    drafter = (f" (with the DFlash2 drafter's K/V {result.drafter_kv.placement}ed)"
+               if result.drafter_kv is not None else "")
     if result.fits and result.sessions_that_fit >= slots:
         return CapacityVerdict(True, True, result.kv_tokens, result.sessions_that_fit,
-                               note=f"{result.kv_tokens:,} KV tokens predicted: {slots} session{'s' * (slots != 1)} "
+                               note=f"{result.kv_tokens:,} KV tokens predicted{drafter}: {slots} session{'s' * (slots != 1)} "
                                     f"of {length:,} tokens fit on {node.name}")
     if result.fits:
         per_slot = result.kv_tokens // slots // result.setup.block_size * result.setup.block_size

@@ -241,6 +241,10 @@ def run(
     `record=False` (a dry run) records no licence acceptance; every check is the same."""
     report = PreflightReport(profile=launch.profile.name)
     report.warnings += launch.profile.advisories()
+    if launch.profile.speculative.method == "dflash2":
+        from glmctl.plugin.dflash2_layout import serving_limits
+
+        report.warnings += serving_limits(launch.profile.platform)
     _licences(launch, list(accept), confirm, report, record)
     _artifacts(launch, report)
     _port(launch, report)

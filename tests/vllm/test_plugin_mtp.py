@@ -53,21 +53,29 @@ def _max_logprob_gap(a, b, upto):
 
 
 def _assert_same_greedy(runs, mode):
+    return assert_same_greedy(runs["batch4"], runs[mode], runs["single"], mode, TOKENS)
+
+
+def assert_same_greedy(reference, runs, alone, mode, tokens, names=PARITY_PROMPTS):
+    """Greedy `runs` equal `reference` (plain decoding in the verify step's row count) token for
+    token; a divergence only as a demonstrated near-tie: plain decoding `alone` (another batch
+    composition, no speculation) reaches the same token from the same prefix. Returns the
+    near-ties taken (prompt, step, top-1 margin)."""
     exceptions = []
-    for name in PARITY_PROMPTS:
-        want, got, alone = (_tokens(runs[k][name]) for k in ("batch4", mode, "single"))
-        assert len(got) == len(want) == TOKENS, name
+    for name in names:
+        want, got, solo = (_tokens(r[name]) for r in (reference, runs, alone))
+        assert len(got) == len(want) == tokens, name
         i = _divergence(want, got)
-        gap = _max_logprob_gap(runs["batch4"][name], runs[mode][name], i or TOKENS)
-        noise = _divergence(want, alone)
-        print(f"{mode} {name}: first divergence from plain decoding (batch of 4): {i}, max "
-              f"logprob difference before it {gap:.1e}; plain alone vs batch of 4: {noise}")
+        gap = _max_logprob_gap(reference[name], runs[name], i or tokens)
+        noise = _divergence(want, solo)
+        print(f"{mode} {name}: first divergence from plain decoding: {i}, max "
+              f"logprob difference before it {gap:.1e}; plain alone vs plain batched: {noise}")
         if i is None:
             continue
-        top = runs["batch4"][name][i]["top"]
+        top = reference[name][i]["top"]
         margin = top[0][1] - top[1][1]
         # Only a near-tie that plain decoding itself resolves the same way in another batch.
-        assert alone[: i + 1] == got[: i + 1], (
+        assert solo[: i + 1] == got[: i + 1], (
             f"{mode} {name}: step {i} gives {got[i]}, plain decoding {want[i]} (top-1 margin "
             f"{margin:.3f} nats), and plain decoding alone does not reproduce it"
         )
