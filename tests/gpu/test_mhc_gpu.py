@@ -40,8 +40,10 @@ def _inputs(t, seed):
 
 
 def _steps(a, b, steps):
+    """|a - b| within `steps` bf16 rounding steps; a step is taken at the larger magnitude, since
+    two values either side of a power of two differ by the upper binade's step."""
     diff = (a.float() - b.float()).abs()
-    tol = steps * 2 ** -7 * b.float().abs() + 1e-6
+    tol = steps * 2 ** -7 * torch.maximum(a.float().abs(), b.float().abs()) + 1e-6
     assert torch.all(diff <= tol), f"max excess {(diff - tol).max().item():.3g}"
 
 
