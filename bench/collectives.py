@@ -2,15 +2,12 @@
 """Host-staged collectives against the pinned-copy ceiling, on one GPU shared by N processes.
 
     python bench/collectives.py [--worlds 2 4] [--max-mb 256] [--out DIR] [--label TEXT]
-                                [--sweep-mb 8 64] [--sweep-kib 0 512 2048 8192]
 
 1. The ceiling: copy-engine D2H and H2D bandwidth between device memory and registered shared host
    memory (256 MiB copies, CUDA-graph replays, median of 5), each alone and both at once.
 2. For each world size, that many processes on GPU 0 run, for 4 KiB..256 MiB messages, host-staged
    all-reduce and all-gather with bf16 and INT8 payloads, each timed as replays of a CUDA graph of
    back-to-back calls (the slowest rank's time per call).
-3. Pipelining A/B, in the same processes: bf16 all-reduce and all-gather at the --sweep-mb sizes
-   with pieces of each --sweep-kib size (0 = unpipelined: the copy directions one after the other).
 
 Sizes are the message: the all-reduce input, the all-gather output (nccl-tests' convention).
 algbw = size / time; busbw = algbw * 2(n-1)/n (all-reduce) or (n-1)/n (all-gather), i.e. the bytes
@@ -96,9 +93,6 @@ def ceiling(nbytes: int) -> dict:
         mm.close()
 
 
-SWEEP_MB, SWEEP_KIB = [8, 64], [0, 512, 2048, 8192]
-
-
 def merge_ranks(world: int, per_rank: list[list[dict]]) -> list[dict]:
     rows = []
     for cells in zip(*per_rank, strict=True):
@@ -114,11 +108,10 @@ def derive(rows: list[dict], ceil: dict) -> list[dict]:
     link = min(ceil["d2h"], ceil["h2d"])
     out = []
     for raw in rows:
+        if "piece_bytes" in raw:  # an earlier run's pipelining A/B: not a default path's row
+            continue
         r = {k: raw[k] for k in ("world", "op", "int8", "size", "us", "algorithm", "d2h", "h2d",
                                  "payload_bytes_d2h", "payload_bytes_h2d")}
-        r["pieces"] = raw.get("pieces", 0)  # runs before pipelining have none
-        if "piece_bytes" in raw:
-            r["piece_bytes"] = raw["piece_bytes"]
         n, size, t = r["world"], r["size"], r["us"] * 1e-6
         factor = 2 * (n - 1) / n if r["op"] == "all_reduce" else (n - 1) / n
         r["algbw_gbps"] = size / t / 1e9
@@ -131,19 +124,13 @@ def derive(rows: list[dict], ceil: dict) -> list[dict]:
         out.append(r)
     for r in out:
         if r["int8"]:
-            twin = next(b for b in out if b["op"] == r["op"] and not b["int8"] and "piece_bytes" not in b
+            twin = next(b for b in out if b["op"] == r["op"] and not b["int8"]
                         and b["size"] == r["size"] and b["world"] == r["world"])
             r["int8_speedup"] = r["busbw_gbps"] / twin["busbw_gbps"]
-        if r.get("piece_bytes"):
-            off = [b for b in out if b.get("piece_bytes") == 0 and b["op"] == r["op"]
-                   and b["size"] == r["size"] and b["world"] == r["world"]]
-            if off:
-                r["speedup_vs_unpipelined"] = off[0]["us"] / r["us"]
     return out
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    rows = [r for r in rows if "piece_bytes" not in r]  # the sweep is for tuning, not the targets
     checks = []
     for world in sorted({r["world"] for r in rows}):
         mine = [r for r in rows if r["world"] == world]
@@ -180,31 +167,16 @@ def _size(n: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| ranks | op | payload | size | algorithm | d2h/h2d | pieces | time us | algbw GB/s "
+    head = ("| ranks | op | payload | size | algorithm | d2h/h2d | time us | algbw GB/s "
             "| busbw GB/s | link util | serial eff | INT8 x |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
-        if "piece_bytes" in r:
-            continue
         speedup = f"{r['int8_speedup']:.2f}" if r["int8"] else ""
         lines.append(
             f"| {r['world']} | {r['op']} | {'int8' if r['int8'] else 'bf16'} | {_size(r['size'])} | "
-            f"{r['algorithm']} | {r['d2h']}/{r['h2d']} | {r['pieces']} | {r['us']:.1f} | "
+            f"{r['algorithm']} | {r['d2h']}/{r['h2d']} | {r['us']:.1f} | "
             f"{r['algbw_gbps']:.2f} | {r['busbw_gbps']:.2f} | {r['link_util']:.2f} | "
             f"{r['serial_copy_eff']:.2f} | {speedup} |")
-    return "\n".join(lines)
-
-
-def sweep_table(rows: list[dict]) -> str:
-    lines = ["| ranks | op | size | piece KiB | pieces | time us | link util | serial eff "
-             "| x unpipelined |", "|" + "---|" * 9]
-    for r in rows:
-        if "piece_bytes" not in r:
-            continue
-        x = f"{r['speedup_vs_unpipelined']:.2f}" if "speedup_vs_unpipelined" in r else ""
-        lines.append(f"| {r['world']} | {r['op']} | {_size(r['size'])} | {r['piece_bytes'] // 1024} "
-                     f"| {r['pieces']} | {r['us']:.1f} | {r['link_util']:.2f} | "
-                     f"{r['serial_copy_eff']:.2f} | {x} |")
     return "\n".join(lines)
 
 
@@ -228,13 +200,10 @@ def measure(args) -> tuple[dict, list[dict], dict]:
     print(f"ceiling: D2H {ceil['d2h']:.1f} GB/s, H2D {ceil['h2d']:.1f} GB/s, both at once "
           f"{ceil['bidir_each']:.1f} GB/s each (registered shm, {_size(ceil['bytes'])} copies)",
           flush=True)
-    sweep_sizes = [m * MiB for m in args.sweep_mb if m * MiB <= max(sizes)]
-    sweep = (sweep_sizes, [k * 1024 for k in args.sweep_kib]) if sweep_sizes and args.sweep_kib \
-        else None
     rows = []
     for world in args.worlds:
         t0 = time.time()
-        res = run_ranks(time_collectives, world, sizes, True, sweep, timeout_s=900)
+        res = run_ranks(time_collectives, world, sizes, True, timeout_s=900)
         bad = [r for r in res if not r.ok]
         if bad:
             print(f"world {world} failed: {bad[0].error}", flush=True)
@@ -262,10 +231,6 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--label", default="measured on 1x H200, N processes sharing one GPU")
     ap.add_argument("--name", default="collectives", help="stem of the result files")
-    ap.add_argument("--sweep-mb", type=int, nargs="*", default=SWEEP_MB,
-                    help="message sizes (MiB) of the pipelining A/B")
-    ap.add_argument("--sweep-kib", type=int, nargs="*", default=SWEEP_KIB,
-                    help="piece sizes (KiB) of the pipelining A/B; 0 = unpipelined")
     ap.add_argument("--from-json", type=Path, help="re-derive the report from an earlier run's JSON")
     args = ap.parse_args()
     if args.from_json:
@@ -286,9 +251,6 @@ def main() -> int:
           f"shared memory, copy engine): D2H {ceil['d2h']:.1f} GB/s, H2D {ceil['h2d']:.1f} GB/s, "
           f"both at once {ceil['bidir_each']:.1f} GB/s each.", "", meta["prediction_for_8xL40"], "",
           table(rows), ""]
-    if any("piece_bytes" in r for r in rows):
-        md += ["Pipelining A/B (bf16; piece 0 = unpipelined, the copy directions one after the other):",
-               "", sweep_table(rows), ""]
     for c in checks:
         md.append(f"- ranks {c['world']}: {c['what']}: {c['measured']:.2f} vs {c['limit']} -> "
                   f"ratio {c['ratio']:.2f} ({'met' if c['met'] else 'NOT met'})")
@@ -297,8 +259,6 @@ def main() -> int:
     for c in checks:
         print(f"ranks {c['world']}: {c['what']}: measured {c['measured']:.2f}, limit {c['limit']}, "
               f"measured/limit {c['ratio']:.2f} {'ok' if c['met'] else 'MISSED'}")
-    print()
-    print(sweep_table(rows))
     print()
     print(table(rows))
     return 0

@@ -2,7 +2,7 @@
 """Host-staged collectives with the ranks as threads of one process on one GPU: the thread rig.
 
     python bench/gpu/collectives_threads.py --out DIR [--budget-s 100] [--worlds 2 4 8]
-                                            [--phases small sweep pipeline] [--max-mb 256]
+                                            [--phases small sweep] [--max-mb 256]
 
 What each rig measures. Here (threads): N ranks are N threads of one process, each with its own
 CUDA stream in the one context, each with its own `HostStagedCommunicator` on one shared pinned
@@ -27,8 +27,9 @@ a result whose relative RMS error to the exact sum exceeds 1%; and elements that
 Phases, in priority order (each case starts only if the budget allows): `small` compares the
 small-message paths (barriers + SM/CE copies; the direct path as LL words or flag lines) at 2, 4,
 8 ranks and times their components alone (a barrier pair, a kernel launch); `sweep` is the nccl-
-tests-style sweep 4 KiB-256 MiB plus GLM-5.3-Flash's decode and prefill sizes; `pipeline` is the
-pipelining A/B. Results go to DIR/collectives-h200-threads.json after every phase.
+tests-style sweep 4 KiB-256 MiB plus GLM-5.3-Flash's decode and prefill sizes, on the default
+paths (`plan.default_direct` for the rank count). Results go to
+DIR/collectives-h200-threads.json after every phase.
 """
 
 from __future__ import annotations
@@ -69,12 +70,6 @@ class NullSync:
     def barrier(self, b, stream):
         pass
 
-    def arrive(self, p, stream):
-        pass
-
-    def await_flag(self, p, stream):
-        pass
-
 
 @dataclass(frozen=True)
 class Case:
@@ -97,20 +92,17 @@ class Phase:
     cases: list[Case] = field(default_factory=list)
 
 
-def variants(engines, default_direct):
+def variants(engines, world: int):
     """Option overrides by name, applied to each communicator's PathOptions."""
-    from glmctl.collectives.plan import CopyEngines, DirectLimits
+    from glmctl.collectives.plan import CopyEngines, DirectLimits, default_direct
 
     off = DirectLimits(capacity=DIRECT_CAP)
     return {
-        "default": dict(direct=replace(default_direct, capacity=DIRECT_CAP)),
+        "default": dict(direct=default_direct(world, DIRECT_CAP)),
         "memops-sm": dict(direct=off, engines=replace(engines, d2h_small="sm", h2d_small="sm")),
         "memops-ce": dict(direct=off, engines=CopyEngines.uniform("ce")),
         "direct-ll": dict(direct=DirectLimits(ll_max_bytes=DIRECT_CAP // 2, capacity=DIRECT_CAP)),
         "direct-flag": dict(direct=DirectLimits(flag_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)),
-        "pipe-1m": dict(piece_bytes=MiB, engines=CopyEngines.uniform("ce"), direct=off),
-        "pipe-4m": dict(piece_bytes=4 * MiB, engines=CopyEngines.uniform("ce"), direct=off),
-        "unpiped-ce": dict(piece_bytes=0, engines=CopyEngines.uniform("ce"), direct=off),
     }
 
 
@@ -132,7 +124,9 @@ def _all_phases(worlds: list[int], phases: list[str], max_mb: int) -> list[Phase
         for w in worlds:
             ph = Phase("small", w, 4 * MiB)
             ph.cases += [Case("barrier", "bf16", 0, "memops-sm"), Case("launch", "bf16", 0, "memops-sm")]
-            small = sorted({*(s // 2 for s in sizes if s <= 64 * KiB), *decode_ar[:4]})
+            # 128 and 192 KiB: where the LL and barrier paths cross at 2 and 4 ranks
+            small = sorted({*(s // 2 for s in sizes if s <= 64 * KiB), *decode_ar[:4],
+                            64 * KiB, 96 * KiB})
             for v in ("memops-sm", "direct-ll", "memops-ce", "direct-flag"):
                 ph.cases += [Case("all_reduce", "bf16", n, v) for n in small]
                 ph.cases += [Case("all_gather", "fp32", n, v, label=f"logits x{t} tokens")
@@ -151,16 +145,6 @@ def _all_phases(worlds: list[int], phases: list[str], max_mb: int) -> list[Phase
                     big.cases += [Case("all_reduce", "bf16", s // 2, graph=graph, label=label),
                                   Case("all_reduce", "int8", s // 2, graph=graph, label=label),
                                   Case("all_gather", "bf16", s // 2 // w, graph=graph)]
-        if "pipeline" in phases:
-            pipe = []
-            for s in (8 * MiB, 16 * MiB, 64 * MiB):
-                if s <= max(sizes):
-                    for v in ("unpiped-ce", "pipe-1m", "pipe-4m"):
-                        pipe += [Case("all_reduce", "bf16", s // 2, v),
-                                 Case("all_gather", "bf16", s // 2 // w, v)]
-            cut = next((i for i, c in enumerate(big.cases) if c.rank_bytes() * (
-                w if c.op == "all_gather" else 1) > 16 * MiB), len(big.cases))
-            big.cases[cut:cut] = pipe
         if big.cases:
             out.append(big)
     order = {"small": 0, "sweep": 1}
@@ -177,7 +161,7 @@ def calls_for(nbytes: int) -> tuple[int, int]:
 class Rig:
     """N rank threads around one pinned segment; `run(case)` runs it on every rank."""
 
-    def __init__(self, world: int, max_bytes: int, engines, default_direct, timeout_s: float = 5.0):
+    def __init__(self, world: int, max_bytes: int, engines, timeout_s: float = 5.0):
         import torch
 
         from glmctl.collectives.communicator import PinnedSegment
@@ -195,7 +179,7 @@ class Rig:
         self.base = self.drv.device_pointer(self.seg.address)
         self.setup_s = time.perf_counter() - t0
         self.pinned = PinnedSegment(self.seg, self.base)
-        self.variants = variants(engines, default_direct)
+        self.variants = variants(engines, world)
         self.barrier = threading.Barrier(world + 1, timeout=300)  # main thread and ranks
         self.rank_barrier = threading.Barrier(world, timeout=30)  # the ranks within a case
         self.lock = threading.Lock()  # Triton compiles and graph captures, one rank at a time
@@ -330,8 +314,7 @@ class Rig:
             elif plan is not None and not plan.algorithm.startswith("direct"):
                 scratch = torch.empty(x.numel() * (self.world if case.op == "all_gather" else 1),
                                       dtype=x.dtype, device=x.device)
-                datapath.enqueue(plan, comm.staging, NullSync(), x, scratch, stream.cuda_stream,
-                                 comm.side)
+                datapath.enqueue(plan, comm.staging, NullSync(), x, scratch, stream.cuda_stream)
             stream.synchronize()
         self.rank_barrier.wait()
         with self.lock:  # the real warm-up: compiles whatever the dry run did not
@@ -375,7 +358,7 @@ class Rig:
         row = {"us": us, "wrong": wrong, "calls": calls, "replays": replays if case.graph else 1}
         if plan is not None:
             d2h, h2d = plan.bytes_moved()
-            row.update(algorithm=plan.algorithm, d2h=plan.d2h, h2d=plan.h2d, pieces=plan.pieces,
+            row.update(algorithm=plan.algorithm, d2h=plan.d2h, h2d=plan.h2d,
                        payload_bytes_d2h=d2h, payload_bytes_h2d=h2d)
         if case.graph:
             del graph
@@ -418,7 +401,7 @@ def measure(args) -> dict:
     import triton
 
     from glmctl.collectives.calibration import CollectivesCalibration, calibrate
-    from glmctl.collectives.plan import DEFAULT_DIRECT
+    from glmctl.collectives.plan import DIRECT_BY_WORLD
 
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
@@ -439,7 +422,7 @@ def measure(args) -> dict:
     doc = {"meta": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                     "triton": triton.__version__, "method": __doc__,
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "calibration": cal.model_dump(mode="json"), "default_direct": str(DEFAULT_DIRECT),
+                    "calibration": cal.model_dump(mode="json"), "default_direct": {n: str(v) for n, v in DIRECT_BY_WORLD.items()},
                     "label": "measured on 1x H200, ranks as threads of one process (thread rig)"},
            "ceiling": ceil, "raw": [], "skipped": [], "errors": []}
     if old is not None:
@@ -452,7 +435,7 @@ def measure(args) -> dict:
             continue
         t0 = time.monotonic()
         try:
-            rig = Rig(phase.world, phase.max_bytes, engines, DEFAULT_DIRECT)
+            rig = Rig(phase.world, phase.max_bytes, engines)
         except Exception as exc:  # noqa: BLE001
             doc["errors"].append(f"{phase.name} w{phase.world}: rig: {exc!r}")
             print(doc["errors"][-1], flush=True)
@@ -472,7 +455,7 @@ def measure(args) -> dict:
                 print(doc["errors"][-1], flush=True)
                 failed.add(case.variant)  # the rig's barriers are broken: a fresh rig goes on
                 rig.close()
-                rig = Rig(phase.world, phase.max_bytes, engines, DEFAULT_DIRECT)
+                rig = Rig(phase.world, phase.max_bytes, engines)
                 continue
             doc["raw"].append({"phase": phase.name, "world": phase.world, **case.__dict__,
                                "rank_bytes": case.rank_bytes(), "us": max(x["us"] for x in res),
@@ -501,7 +484,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out/collectives-threads"))
     ap.add_argument("--budget-s", type=float, default=100.0)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--phases", nargs="+", default=["small", "sweep", "pipeline"])
+    ap.add_argument("--phases", nargs="+", default=["small", "sweep"])
     ap.add_argument("--max-mb", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[], help="path variants to leave out")
     ap.add_argument("--only", nargs="*", default=[], help="only these path variants")

@@ -5,12 +5,12 @@
 #   there:  OUT=/some/dir bash bench/gpu/collectives_threads.sh
 #
 # Ranks are threads of one process on GPU 0 (bench/gpu/collectives_threads.py says what that
-# measures and how); phases run in priority order (small-message paths, the sweep, pipelining)
+# measures and how); phases run in priority order (small-message paths, then the sweep)
 # until COLL_THREADS_BUDGET_S (default 65) runs out, then the direct path's flag-line variant
 # in a second process (COLL_THREADS_FLAG_BUDGET_S, default 12), then the multi-process smoke
 # (bench/gpu/collectives_smoke.py, COLL_THREADS_SMOKE_S, default 25; 0 skips it). Writes
 # $OUT/collectives-h200-threads.json and .md, smoke.log and log.txt; the compact table comes last. Knobs: COLL_THREADS_WORLDS ("2 4 8"),
-# COLL_THREADS_PHASES ("small sweep pipeline"), COLL_THREADS_MAX_MB (256).
+# COLL_THREADS_PHASES ("small sweep"), COLL_THREADS_MAX_MB (256).
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -49,7 +49,7 @@ limit() {
   # shellcheck disable=SC2086
   timeout -k 5 $((BUDGET + 20)) python3 bench/gpu/collectives_threads.py --out "$OUT" \
     --budget-s "$BUDGET" --worlds ${COLL_THREADS_WORLDS:-2 4 8} --skip direct-flag \
-    --phases ${COLL_THREADS_PHASES:-small sweep pipeline} --max-mb "${COLL_THREADS_MAX_MB:-256}"
+    --phases ${COLL_THREADS_PHASES:-small sweep} --max-mb "${COLL_THREADS_MAX_MB:-256}"
   echo "thread rig rc=$? ($(date +%T))"
   # the flag-line variant (a system-scope atomic on host memory) in a process of its own: if this
   # GPU or VM faults on it, the context it poisons is not the main run's

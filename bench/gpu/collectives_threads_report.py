@@ -4,7 +4,7 @@ anywhere, and unit-tested on CPU). `collectives_threads.py` measures; this modul
 Row fields: op, ranks, dtype (bf16 | int8 | fp32; int8 = bf16 messages sent as INT8 payloads),
 bytes (nccl-tests' size: all-reduce input, all-gather output), rank_bytes (each rank's input),
 graph ("captured" | "eager"), time_us, algbw_GBps (bytes / time), busbw_GBps (algbw * 2(n-1)/n for
-all-reduce, (n-1)/n for all-gather), wrong (#wrong), and how: variant, algorithm, d2h/h2d, pieces,
+all-reduce, (n-1)/n for all-gather), wrong (#wrong), and how: variant, algorithm, d2h/h2d,
 serial_copy_eff.
 
 serial_copy_eff = T_serial / time, with T_serial = n * (D2H / B_d2h + H2D / B_h2d): the time the
@@ -38,7 +38,7 @@ def derive(raw: list[dict], ceil: dict) -> list[dict]:
                           + r["payload_bytes_h2d"] / (ceil["h2d"] * 1e9))
             row.update(bytes=size, rank_bytes=rank_bytes, algbw_GBps=round(algbw, 3),
                        busbw_GBps=round(algbw * factor, 3), algorithm=r["algorithm"],
-                       d2h=r["d2h"], h2d=r["h2d"], pieces=r["pieces"],
+                       d2h=r["d2h"], h2d=r["h2d"],
                        payload_bytes_d2h=r["payload_bytes_d2h"],
                        payload_bytes_h2d=r["payload_bytes_h2d"], serial_copy_eff=round(serial / t, 3))
         else:
@@ -97,14 +97,14 @@ def _size(n: int) -> str:
 
 
 def sweep_table(rows: list[dict]) -> str:
-    head = ("| ranks | op | dtype | size | graph | variant | algorithm | d2h/h2d | pieces | time us "
+    head = ("| ranks | op | dtype | size | graph | variant | algorithm | d2h/h2d | time us "
             "| algbw GB/s | busbw GB/s | serial eff | #wrong | note |")
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         if r["op"] not in ("all_reduce", "all_gather"):
             continue
         lines.append(f"| {r['ranks']} | {r['op']} | {r['dtype']} | {_size(r['bytes'])} | {r['graph']} "
-                     f"| {r['variant']} | {r['algorithm']} | {r['d2h']}/{r['h2d']} | {r['pieces']} "
+                     f"| {r['variant']} | {r['algorithm']} | {r['d2h']}/{r['h2d']} "
                      f"| {r['time_us']:.1f} | {r['algbw_GBps']:.2f} | {r['busbw_GBps']:.2f} "
                      f"| {r['serial_copy_eff']:.2f} | {r['wrong']} | {r['label']} |")
     return "\n".join(lines)
@@ -127,19 +127,6 @@ def small_table(rows: list[dict]) -> str:
     probes = [r for r in rows if r["op"] in ("barrier", "launch")]
     for r in probes:
         lines.append(f"| {r['ranks']} | {r['op']} alone | - | {r['time_us']:.1f} |  |  |  |")
-    return "\n".join(lines)
-
-
-def pipeline_table(rows: list[dict]) -> str:
-    pipe = [r for r in rows if r["variant"] in ("unpiped-ce", "pipe-1m", "pipe-4m")]
-    lines = ["| ranks | op | size | unpiped-ce us | pipe-1m us | pipe-4m us |", "|" + "---|" * 6]
-    for n, op, b in sorted({(r["ranks"], r["op"], r["bytes"]) for r in pipe}):
-        cells = []
-        for v in ("unpiped-ce", "pipe-1m", "pipe-4m"):
-            hit = [r for r in pipe if (r["ranks"], r["op"], r["bytes"], r["variant"]) == (n, op, b, v)]
-            cells.append(f"{hit[0]['time_us']:.0f}" + (" WRONG" if hit and hit[0]["wrong"] else "")
-                         if hit else "-")
-        lines.append(f"| {n} | {op} | {_size(b)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -173,7 +160,6 @@ def markdown(doc: dict) -> str:
           f"{meta['measured_at']}. Pinned copies (64 MiB, copy engine): D2H {ceil['d2h']:.1f} GB/s, "
           f"H2D {ceil['h2d']:.1f} GB/s, both at once {ceil['bidir_each']:.1f} GB/s each.", "",
           "Small messages by path (captured graphs, time per call in us):", "", small_table(rows), "",
-          "Pipelining A/B (bf16, copy engine both ways):", "", pipeline_table(rows), "",
           *target_lines(doc.get("targets", [])), "", *model_lines(doc), "", sweep_table(rows), ""]
     if doc.get("skipped"):
         md += ["Skipped for time: " + "; ".join(doc["skipped"]), ""]
@@ -183,11 +169,10 @@ def markdown(doc: dict) -> str:
 
 
 def compact_table(doc: dict) -> str:
-    """What the stage prints last: small-message paths, pipelining, targets, and the captured bf16
-    / INT8 all-reduce and bf16 all-gather times by size."""
+    """What the stage prints last: small-message paths, targets, and the captured bf16 / INT8
+    all-reduce and bf16 all-gather times by size."""
     rows = doc.get("rows", [])
-    out = ["small messages, captured, us per call:", small_table(rows), "",
-           "pipelining A/B, us per call:", pipeline_table(rows), ""]
+    out = ["small messages, captured, us per call:", small_table(rows), ""]
     main = [r for r in rows if r["variant"] == "default" and r["graph"] == "captured" and not
             r["label"].startswith(("decode", "logits")) and r["bytes"] >= 256 * KiB]
     cols = [("all_reduce", "bf16"), ("all_reduce", "int8"), ("all_gather", "bf16")]

@@ -2,7 +2,7 @@
 pinned host memory, CUDA-graph safe, with optional INT8 payloads.
 
 Two kinds of synchronization, both replayable by a captured graph forever:
-- Barrier paths (`datapath.py`, `pipeline.py`): stream memory operations on pairwise flags. Each
+- Barrier paths (`datapath.py`): stream memory operations on pairwise flags. Each
   call is a fixed sequence of barriers (2, or 3 for two-shot). At barrier b rank r's stream writes
   1 into flag[b][r->j] for every peer j (after its earlier copies, with the driver's system-scope
   fence), waits until flag[b][j->r] == 1 for every peer, then writes 0 back into those incoming
@@ -37,16 +37,15 @@ from glmctl.collectives.calibration import CollectivesCalibration, calibrate, lo
 from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
 from glmctl.collectives.errors import CaptureMismatchError, CollectiveError, SegmentError
 from glmctl.collectives.plan import (
-    DEFAULT_DIRECT,
     DEFAULT_DIRECT_CAPACITY,
     DEFAULT_GROUP,
     DEFAULT_ONE_SHOT_MAX_BYTES,
-    MAX_PIECES,
     CollectivePlan,
     CopyEngines,
     DirectLimits,
     PathOptions,
     align_up,
+    default_direct,
     message_pieces,
     plan_call,
     slot_capacity,
@@ -72,12 +71,6 @@ def default_timeout_s() -> float:
     return float(os.environ.get("GLMCTL_COLLECTIVES_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
-def default_piece_bytes() -> int:
-    """Pipelining piece size from GLMCTL_COLLECTIVES_PIECE_KIB; unset or 0: no pipelining."""
-    raw = os.environ.get("GLMCTL_COLLECTIVES_PIECE_KIB", "").strip()
-    return int(float(raw) * 1024) if raw else 0
-
-
 class PinnedSegment:
     """A segment mapped and registered once for ranks that are threads of one process (the thread
     rig): each rank's communicator takes `seg.view(rank)` instead of mapping and registering its
@@ -85,27 +78,6 @@ class PinnedSegment:
 
     def __init__(self, seg: SharedSegment, device_base: int) -> None:
         self.seg, self.device_base = seg, device_base
-
-
-class _Side:
-    """`staging.SideStream` over a torch stream and driver events."""
-
-    def __init__(self, drv, stream: int, events: list[int]) -> None:
-        self.stream, self._drv, self._ev = stream, drv, events
-
-    def fork(self, main: int) -> None:
-        self._drv.event_record(self._ev[0], main)
-        self._drv.stream_wait_event(self.stream, self._ev[0])
-
-    def join(self, main: int) -> None:
-        self._drv.event_record(self._ev[1], self.stream)
-        self._drv.stream_wait_event(main, self._ev[1])
-
-    def signal(self, p: int, src: int) -> None:
-        self._drv.event_record(self._ev[2 + p], src)
-
-    def after(self, p: int, dst: int) -> None:
-        self._drv.stream_wait_event(dst, self._ev[2 + p])
 
 
 class HostStagedCommunicator:
@@ -119,17 +91,16 @@ class HostStagedCommunicator:
     memory). int8_min_bytes: all-reduces and all-gathers of at least this many bytes use INT8
     payloads unless the call says otherwise (None: only when asked). timeout_s: how long a wait may
     make no progress before the peer is declared stalled. on_error: called (from the watchdog
-    thread) when the group breaks, e.g. to stop the process. piece_bytes: pipelined calls cut
-    copy-engine messages into pieces of about this size (0: off). direct: which small messages
-    take the direct path (within `direct_capacity`). pinned: ranks as threads of one process only.
+    thread) when the group breaks, e.g. to stop the process. direct: which small messages take
+    the direct path (within `direct_capacity`; None: `plan.default_direct`, measured per rank
+    count). pinned: ranks as threads of one process only.
     """
 
     def __init__(self, rank: int, world_size: int, group_id: str, max_bytes: int, *,
                  device=None, cpu_group=None, int8_min_bytes: int | None = None,
                  int8_group: int = DEFAULT_GROUP, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
                  copy_engines: CopyEngines | None = None, timeout_s: float | None = None,
-                 init_timeout_s: float = 120.0, piece_bytes: int | None = None,
-                 direct: DirectLimits | None = None, direct_capacity: int = DEFAULT_DIRECT_CAPACITY,
+                 init_timeout_s: float = 120.0, direct: DirectLimits | None = None, direct_capacity: int = DEFAULT_DIRECT_CAPACITY,
                  pinned: PinnedSegment | None = None,
                  on_error: Callable[[CollectiveError], None] | None = None) -> None:
         import torch
@@ -137,7 +108,6 @@ class HostStagedCommunicator:
         self.disabled = True  # until start-up completes, and after close()
         self.rank, self.world_size, self.max_bytes = rank, world_size, max_bytes
         self.int8_min_bytes = int8_min_bytes
-        self._events: list[int] = []
         self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         self.calibration: CollectivesCalibration | None = None
         self._int8_override: list[bool | None] = []
@@ -172,14 +142,11 @@ class HostStagedCommunicator:
                 self._seg.unlink()  # everyone holds a mapping: no name can outlive the group now
             self.staging = self._make_staging(hbase, direct_capacity)
             self.sync = self._make_sync(hbase)
-            self._events = [self._drv.event_create() for _ in range(2 + MAX_PIECES)]
-            self.side = _Side(self._drv, torch.cuda.Stream(self.device).cuda_stream, self._events)
             self._selftest_memops(hbase)
             engines = copy_engines or self._calibrated_engines(init_timeout_s)
             self.options = PathOptions(
                 engines=engines, one_shot_max_bytes=one_shot_max_bytes,
-                piece_bytes=default_piece_bytes() if piece_bytes is None else piece_bytes,
-                direct=replace(direct or DEFAULT_DIRECT, capacity=direct_capacity),
+                direct=replace(direct or default_direct(world_size), capacity=direct_capacity),
                 int8_group=int8_group)
             self._seg.host_barrier(init_timeout_s, "start-up")
         except BaseException:
@@ -208,7 +175,7 @@ class HostStagedCommunicator:
             xs, outs = flat_x[lo:lo + count], flat_out[lo:lo + count]
             plan = self.plan("all_reduce", xs, int8)
             self._note(plan)
-            datapath.enqueue(plan, self.staging, self.sync, xs, outs, stream, self.side)
+            datapath.enqueue(plan, self.staging, self.sync, xs, outs, stream)
         return out
 
     def all_gather(self, tensor, dim: int = 0, *, int8: bool | None = None):
@@ -227,7 +194,7 @@ class HostStagedCommunicator:
             self._note(plan)
             flat = stacked if len(pieces) == 1 else torch.empty(
                 (self.world_size, count), dtype=x.dtype, device=x.device)
-            datapath.enqueue(plan, self.staging, self.sync, xs, flat.view(-1), stream, self.side)
+            datapath.enqueue(plan, self.staging, self.sync, xs, flat.view(-1), stream)
             if len(pieces) > 1:
                 stacked[:, lo:lo + count].copy_(flat)
         stacked = stacked.view(self.world_size, *x.shape)
@@ -413,12 +380,6 @@ class HostStagedCommunicator:
             seg.set_rank_word(self.rank, R_STATE, STATE_CLOSED)
         if self._watchdog is not None:
             self._watchdog.stop()
-        for ev in self._events:
-            try:
-                self._drv.event_destroy(ev)
-            except CollectiveError:
-                pass
-        self._events = []
         if self._registered:
             try:
                 self._drv.host_unregister(seg.address)

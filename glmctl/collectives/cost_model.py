@@ -11,13 +11,14 @@ communicator plans it: `plan.plan_call` with the default `PathOptions`; messages
 `max_bytes` go in several calls, `plan.message_pieces`):
 
     t = latency(path, ranks) + max(t_link, t_host)
-    t_link = D2H / link_d2h + H2D / link_h2d      (pipelined plans: the larger of the two)
+    t_link = D2H / link_d2h + H2D / link_h2d      (the directions one after the other)
     t_host = ranks * (D2H + H2D) / host           (every byte crosses host memory once, shared)
 
 D2H and H2D are the bytes one rank moves each way (`CollectivePlan.bytes_moved()`: INT8 payloads
 are about half). `latency(path, ranks) = base + per_peer * (ranks - 1)` is the fixed cost of the
 path (barriers, kernel launches, flag polls), measured on one GPU with the ranks as threads of one
-process (`bench/gpu/collectives_threads.sh`; `costs_from_rows` fits it from that run's rows). The
+process (`bench/gpu/collectives_threads.sh`; `costs_from_rows` fits it from that run's rows;
+`PROTOCOL_COSTS` are the fit of the recorded run). The
 node's links are each GPU's own PCIe link (the report's L40s: Gen4 x16, about 25 GB/s each way)
 and the host memory every rank's bytes pass through (about 100 GB/s, as the report measured).
 What it leaves out: contention between a rank's two directions beyond the host-memory term, the
@@ -68,14 +69,18 @@ class ProtocolCosts:
         return base + per_peer * (ranks - 1)
 
 
-# Until the thread rig has measured them: estimates from the one-GPU probe in
-# shared/reference/kernels-collectives.md 2.5 (a memory-op barrier round trip about 5 us, a small
-# kernel or copy 2-3.5 us): two barriers and two kernels for one-shot, three of each for two-shot.
+# Measured on one H200 with 2, 4 and 8 ranks as threads of one process (the thread rig, run of
+# 2026-12-01T22:58Z, bench/results/collectives-h200-threads.json), fitted by `costs_from_rows`.
+# Every rank ran on that one GPU, so a per-peer term also holds the other ranks' memory operations
+# and polls queueing on the same device and link (a barrier pair took 12.9 / 53 / 211 us at 2 / 4
+# / 8 ranks: about 0.6 us per memory operation of all ranks together); with a GPU per rank those
+# do not queue behind each other, so for 8 L40s these costs are likely pessimistic. INT8
+# all-gathers were not measured: they take the native gather's cost (`latency_us`'s fallback).
 PROTOCOL_COSTS = ProtocolCosts(
-    source="estimated (memory-op round trip ~5 us, kernel ~2.5 us; not yet measured on the rig)",
-    paths={"one_shot": (15.0, 1.0), "two_shot": (22.5, 1.0), "gather": (12.5, 1.0),
-           "one_shot_int8": (17.5, 1.0), "two_shot_int8": (25.0, 1.0), "gather_int8": (15.0, 1.0),
-           "direct": (8.0, 0.5), "direct_ll": (6.0, 0.5)})
+    source="measured on 1x H200, thread rig (ranks as threads of one process), 2026-12-01",
+    paths={"one_shot": (0.0, 34.63), "two_shot": (0.0, 84.41), "gather": (0.0, 33.18),
+           "one_shot_int8": (0.0, 33.78), "two_shot_int8": (0.0, 86.81),
+           "direct": (31.79, 6.72), "direct_ll": (0.0, 3.82)})
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ def breakdown(op: str, ranks: int, nbytes: int, dtype: str = "bf16", *,
         d2h_all, h2d_all = d2h_all + d2h, h2d_all + h2d
         lat += costs.latency_us(path, ranks) * 1e-6
         t_d2h, t_h2d = d2h / (node.link_d2h_gbps * 1e9), h2d / (node.link_h2d_gbps * 1e9)
-        link += max(t_d2h, t_h2d) if plan.pieces else t_d2h + t_h2d
+        link += t_d2h + t_h2d
         host += ranks * (d2h + h2d) / (node.host_gbps * 1e9)
     return CollectiveTime(seconds=lat + max(link, host), latency_s=lat, link_s=link, host_s=host,
                           calls=len(pieces), path=path, d2h_bytes=d2h_all, h2d_bytes=h2d_all)

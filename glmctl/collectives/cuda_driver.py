@@ -22,7 +22,6 @@ CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 CU_STREAM_MEM_OP_WAIT_VALUE_32 = 1
 CU_STREAM_MEM_OP_WRITE_VALUE_32 = 2
 CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
-CU_EVENT_DISABLE_TIMING = 0x2
 
 _u64 = ctypes.c_uint64
 _u32 = ctypes.c_uint32
@@ -84,11 +83,6 @@ class CudaDriver:
         self._batch = self._bind(["cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"],
                                  [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint],
                                  required=False)
-        self._event_create = self._bind(["cuEventCreate"], [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint])
-        self._event_destroy = self._bind(["cuEventDestroy_v2", "cuEventDestroy"], [ctypes.c_void_p])
-        self._event_record = self._bind(["cuEventRecord"], [ctypes.c_void_p, ctypes.c_void_p])
-        self._wait_event = self._bind(["cuStreamWaitEvent"],
-                                      [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint])
         self._ctx_device = self._bind(["cuCtxGetDevice"], [ctypes.POINTER(ctypes.c_int)])
         self._attr = self._bind(["cuDeviceGetAttribute"],
                                 [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int])
@@ -133,23 +127,6 @@ class CudaDriver:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes > 0:
             self.check(self._memcpy(dst, src, nbytes, stream), f"cuMemcpyAsync of {nbytes} bytes")
-
-    def event_create(self) -> int:
-        """An event for ordering streams only (no timing); graph capture turns its record/wait
-        pairs into edges, which is how the pipelined paths fork a side stream and join it."""
-        ev = ctypes.c_void_p()
-        self.check(self._event_create(ctypes.byref(ev), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        return ev.value
-
-    def event_destroy(self, event: int) -> None:
-        self.check(self._event_destroy(event), "cuEventDestroy")
-
-    def event_record(self, event: int, stream: int) -> None:
-        self.check(self._event_record(event, stream), "cuEventRecord")
-
-    def stream_wait_event(self, stream: int, event: int) -> None:
-        """Work enqueued on `stream` after this waits for the event's most recent record."""
-        self.check(self._wait_event(stream, event, 0), "cuStreamWaitEvent")
 
     def write_value(self, stream: int, address: int, value: int) -> None:
         self.check(self._write(stream, address, value, CU_STREAM_WRITE_VALUE_DEFAULT),

@@ -9,7 +9,7 @@ kernel of every call bumps the progress word (`tick=True`) the watchdog watches.
 
 from __future__ import annotations
 
-from glmctl.collectives import direct, kernels, pipeline
+from glmctl.collectives import direct, kernels
 from glmctl.collectives.kernels import MappedPtr, at, f32, i8
 from glmctl.collectives.plan import CollectivePlan
 from glmctl.collectives.staging import Staging, Sync
@@ -167,33 +167,22 @@ def all_gather(st: Staging, sync: Sync, x, flat, plan: CollectivePlan, stream: i
                              progress=st.progress, tick=True)
 
 
-# (op, algorithm, int8, pipelined) -> the path. The pipelined paths also need a SideStream.
+# (op, algorithm, int8) -> the path
 PATHS = {
-    ("all_reduce", "one_shot", False, False): all_reduce_one_shot,
-    ("all_reduce", "two_shot", False, False): all_reduce_two_shot,
-    ("all_reduce", "one_shot", True, False): all_reduce_int8,
-    ("all_reduce", "two_shot", True, False): all_reduce_int8,
-    ("all_gather", "gather", False, False): all_gather,
-    ("all_gather", "gather", True, False): all_gather,
-    ("all_reduce", "direct", False, False): direct.all_reduce,
-    ("all_reduce", "direct_ll", False, False): direct.all_reduce,
-    ("all_gather", "direct", False, False): direct.all_gather,
-    ("all_gather", "direct_ll", False, False): direct.all_gather,
-    ("all_reduce", "one_shot", False, True): pipeline.all_reduce_one_shot,
-    ("all_reduce", "two_shot", False, True): pipeline.all_reduce_two_shot,
-    ("all_reduce", "one_shot", True, True): pipeline.all_reduce_int8,
-    ("all_reduce", "two_shot", True, True): pipeline.all_reduce_int8,
-    ("all_gather", "gather", False, True): pipeline.all_gather,
-    ("all_gather", "gather", True, True): pipeline.all_gather,
+    ("all_reduce", "one_shot", False): all_reduce_one_shot,
+    ("all_reduce", "two_shot", False): all_reduce_two_shot,
+    ("all_reduce", "one_shot", True): all_reduce_int8,
+    ("all_reduce", "two_shot", True): all_reduce_int8,
+    ("all_gather", "gather", False): all_gather,
+    ("all_gather", "gather", True): all_gather,
+    ("all_reduce", "direct", False): direct.all_reduce,
+    ("all_reduce", "direct_ll", False): direct.all_reduce,
+    ("all_gather", "direct", False): direct.all_gather,
+    ("all_gather", "direct_ll", False): direct.all_gather,
 }
 
 
-def enqueue(plan: CollectivePlan, st: Staging, sync: Sync, x, out, stream: int,
-            side=None) -> None:
+def enqueue(plan: CollectivePlan, st: Staging, sync: Sync, x, out, stream: int) -> None:
     """Enqueue the call `plan` describes: all-reduce x into out (may be x), or all-gather x into
     the flat out (`world * numel` elements, rank order)."""
-    path = PATHS[(plan.op, plan.algorithm, plan.int8, plan.pieces > 0)]
-    if plan.pieces:
-        path(st, sync, side, x, out, plan, stream)
-    else:
-        path(st, sync, x, out, plan, stream)
+    PATHS[(plan.op, plan.algorithm, plan.int8)](st, sync, x, out, plan, stream)

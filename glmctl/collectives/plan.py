@@ -23,19 +23,11 @@ Direct plans (`direct`, `direct_ll`; `direct.py`): slot j of parity q at `(q * w
 slot_stride` of the segment's direct area, `slot_stride` being that area's fixed slot capacity;
 the message starts at offset 0 of its slot, natively or as LL words (4 payload bytes + 4 epoch
 bytes each).
-
-Pipelined plans (`pieces` > 0; copy engine both ways, `pipeline.py`): the message is cut into
-`pieces` consecutive pieces of `chunk_elems` elements (one-shot, all-gather; INT8: one record per
-piece), or for two-shot into `pieces` slices of `world` regions of `chunk_elems` each, region q of
-slice s being chunk s * world + q (INT8: record s * world + q) and owned by rank q. The layouts are
-the unpipelined ones cut finer: a slot still holds the whole message at the same offsets, and INT8
-groups are the same 128-element runs of the flat message whatever the cut, so the numbers do not
-depend on `pieces`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 ALIGN = 256
@@ -44,11 +36,7 @@ GROUPS_ALLOWED = (32, 64, 128, 256)
 DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 DEFAULT_BAND_BYTES = 1024 * 1024
 SCALE_BYTES = 4
-# Pipelining: pieces of about 2 MiB (two-shot: slices of world x 512 KiB), 2 to 16 of them, for
-# payloads of at least one piece. Smaller pieces overlap more of the two copy directions but pay
-# more per-copy and per-flag overhead.
-DEFAULT_PIECE_BYTES = 2 * 1024 * 1024
-MAX_PIECES = 16
+KiB = 1024
 
 Engine = Literal["ce", "sm"]
 Op = Literal["all_reduce", "all_gather"]
@@ -103,10 +91,30 @@ class DirectLimits:
         return None
 
 
-DEFAULT_DIRECT_CAPACITY = 512 * 1024  # bytes per direct-path slot: LL messages up to 256 KiB
-# The direct-path limits a communicator uses unless told otherwise (thread rig measurements,
-# bench/results/collectives-h200-threads.md)
-DEFAULT_DIRECT = DirectLimits(ll_max_bytes=0, flag_max_bytes=0, capacity=DEFAULT_DIRECT_CAPACITY)
+DEFAULT_DIRECT_CAPACITY = 512 * KiB  # bytes per direct-path slot: LL messages up to 256 KiB
+# The direct path by rank count: at every small all-reduce size the thread rig measured, the
+# fastest of the three paths (one H200, ranks as threads of one process, captured graphs,
+# 2026-12-01; bench/results/collectives-h200.md). Time per call, us:
+#   2 ranks: LL 4.4-13.4 up to 64 KiB (barrier path 18.8-22.4); 256 KiB: barrier path 36.9, LL 40.3
+#   4 ranks: LL 13.5-46.2 up to 64 KiB (flag 53-73, barrier 61-75); 256 KiB: barrier 137, flag
+#            153, LL 161 (flag lines never win at 4 ranks)
+#   8 ranks: LL 36-94 up to 32 KiB (flag 84-119); 64 KiB: flag 168, LL 173, barrier 285;
+#            256 KiB: flag 461, barrier 536, LL 640
+# Nothing was measured between 64 and 256 KiB; LL and barrier-path times are straight lines in
+# the size on both sides of 64 KiB, which puts their crossing at about 200 KiB (2 ranks) and
+# 170 KiB (4 ranks): LL up to 128 KiB there.
+DIRECT_BY_WORLD = {
+    2: DirectLimits(ll_max_bytes=128 * KiB),
+    4: DirectLimits(ll_max_bytes=128 * KiB),
+    8: DirectLimits(ll_max_bytes=32 * KiB, flag_max_bytes=256 * KiB),
+}
+
+
+def default_direct(world: int, capacity: int = DEFAULT_DIRECT_CAPACITY) -> DirectLimits:
+    """The measured direct-path limits for `world` ranks (those of the smallest measured rank
+    count at or above it; of the largest beyond them), within a direct area of `capacity`."""
+    measured = min((n for n in DIRECT_BY_WORLD if n >= world), default=max(DIRECT_BY_WORLD))
+    return replace(DIRECT_BY_WORLD[measured], capacity=capacity)
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,6 @@ class CollectivePlan:
     layout: Int8Layout | None
     d2h: Engine
     h2d: Engine
-    pieces: int = 0  # 0: unpipelined; else pieces (two-shot: slices) of the pipelined path
 
     @property
     def nbytes(self) -> int:
@@ -169,17 +176,12 @@ class CollectivePlan:
             return 0
         if self.layout is not None:
             return self.layout.total_bytes
-        return align_up(self.nbytes) if self.pieces else self.world * self.result_stride
+        return self.world * self.result_stride
 
     def chunk_span(self, c: int) -> tuple[int, int]:
         """First element and element count of chunk c of the output (the count may be 0)."""
         lo = c * self.chunk_elems
         return lo, max(0, min(self.chunk_elems, self.numel - lo))
-
-    def slice_span(self, s: int) -> tuple[int, int]:
-        """Two-shot pipelined: first element and element count of slice s (its `world` regions)."""
-        lo = s * self.world * self.chunk_elems
-        return lo, max(0, min(self.world * self.chunk_elems, self.numel - lo))
 
     def bytes_moved(self) -> tuple[int, int]:
         """(device-to-host, host-to-device) bytes rank 0 moves over its link in this call."""
@@ -190,27 +192,16 @@ class CollectivePlan:
         if self.layout is not None:
             rec = self.layout.record_bytes
             if self.algorithm == "two_shot":
-                if self.pieces:  # each slice: the other regions out, the own result out
-                    return self.layout.total_bytes, 2 * (n - 1) * rec * self.pieces
                 return n * rec + rec, 2 * (n - 1) * rec
             return self.layout.total_bytes, (n - 1) * self.layout.total_bytes
         if self.algorithm == "two_shot":
-            if self.pieces:
-                own = sum(self.chunk_span(s * n)[1] for s in range(self.pieces)) * self.elem_bytes
-                return self.nbytes, (n - 1) * own + (self.nbytes - own)
             own = self.chunk_span(0)[1] * self.elem_bytes
             return self.nbytes + own, (n - 1) * own + (self.nbytes - own)
         return self.nbytes, (n - 1) * self.nbytes
 
     def key(self) -> tuple:
         """What must match across ranks for their flag sequences to line up."""
-        return (self.op, self.algorithm, self.int8, self.numel, self.elem_bytes, self.pieces)
-
-
-def pieces_for(payload: int, target: int) -> int:
-    """Pieces of a pipelined call: about `target` bytes each, at least 2 (so the two copy
-    directions overlap), at most MAX_PIECES."""
-    return min(MAX_PIECES, max(2, cdiv(payload, target)))
+        return (self.op, self.algorithm, self.int8, self.numel, self.elem_bytes)
 
 
 def plan_all_reduce(
@@ -222,14 +213,12 @@ def plan_all_reduce(
     group: int = DEFAULT_GROUP,
     one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
     engines: CopyEngines = CopyEngines(),
-    piece_bytes: int = DEFAULT_PIECE_BYTES,
     direct: DirectLimits = DirectLimits(),
 ) -> CollectivePlan:
     """The direct path for messages within `direct`'s limits (never INT8); else one-shot (every
     rank reads every slot and reduces all of it) while the message is small or there are only two
     ranks (two-shot moves the same bytes then, with one more barrier); above that, reduce-scatter
-    + all-gather, which reads 2(n-1)/n of the message instead of n-1. Pipelined when both
-    directions use the copy engine and the payload is at least `piece_bytes` (0: never)."""
+    + all-gather, which reads 2(n-1)/n of the message instead of n-1."""
     nbytes = numel * elem_bytes
     small = None if int8 else direct.algorithm(nbytes)
     if small is not None:
@@ -248,26 +237,6 @@ def plan_all_reduce(
         chunk = align_up(cdiv(numel, world), 128) if two_shot else numel
         result = chunk * elem_bytes if two_shot else 0
     payload = layout.total_bytes if layout else nbytes
-    d2h, h2d = engines.d2h(payload), engines.h2d(payload * (world - 1))
-    pieces = 0
-    if 0 < piece_bytes <= payload and d2h == "ce" and h2d == "ce":
-        if two_shot:
-            pieces = pieces_for(payload, max(piece_bytes, world * piece_bytes // 4))
-            if int8:
-                layout = int8_layout(numel, pieces * world, group)
-                chunk = layout.chunk_elems
-            else:
-                chunk = align_up(cdiv(numel, pieces * world), 128)
-                pieces = cdiv(numel, world * chunk)
-        else:
-            pieces = pieces_for(payload, piece_bytes)
-            if int8:
-                layout = int8_layout(numel, pieces, group)
-                chunk = layout.chunk_elems
-            else:
-                chunk = align_up(cdiv(numel, pieces), 128)
-                pieces = cdiv(numel, chunk)
-        slot = align_up(layout.total_bytes) if layout else slot
     return CollectivePlan(
         op="all_reduce",
         algorithm="two_shot" if two_shot else "one_shot",
@@ -279,9 +248,8 @@ def plan_all_reduce(
         chunk_elems=chunk,
         result_stride=result,
         layout=layout,
-        d2h=d2h,
-        h2d=h2d,
-        pieces=pieces,
+        d2h=engines.d2h(payload),
+        h2d=engines.h2d(payload * (world - 1)),
     )
 
 
@@ -293,7 +261,6 @@ def plan_all_gather(
     int8: bool = False,
     group: int = DEFAULT_GROUP,
     engines: CopyEngines = CopyEngines(),
-    piece_bytes: int = DEFAULT_PIECE_BYTES,
     direct: DirectLimits = DirectLimits(),
 ) -> CollectivePlan:
     small = None if int8 else direct.algorithm(numel * elem_bytes)
@@ -301,16 +268,6 @@ def plan_all_gather(
         return _direct_plan("all_gather", small, numel, elem_bytes, world, direct.capacity)
     layout = int8_layout(numel, 1, group) if int8 else None
     payload = layout.total_bytes if layout else numel * elem_bytes
-    d2h, h2d = engines.d2h(payload), engines.h2d(payload * (world - 1))
-    chunk, pieces = numel, 0
-    if 0 < piece_bytes <= payload and d2h == "ce" and h2d == "ce":
-        pieces = pieces_for(payload, piece_bytes)
-        if int8:
-            layout = int8_layout(numel, pieces, group)
-            chunk = layout.chunk_elems
-        else:
-            chunk = align_up(cdiv(numel, pieces), 128)
-            pieces = cdiv(numel, chunk)
     return CollectivePlan(
         op="all_gather",
         algorithm="gather",
@@ -318,13 +275,12 @@ def plan_all_gather(
         world=world,
         numel=numel,
         elem_bytes=elem_bytes,
-        slot_stride=align_up(layout.total_bytes if layout else payload),
-        chunk_elems=chunk,
+        slot_stride=align_up(payload),
+        chunk_elems=numel,
         result_stride=0,
         layout=layout,
-        d2h=d2h,
-        h2d=h2d,
-        pieces=pieces,
+        d2h=engines.d2h(payload),
+        h2d=engines.h2d(payload * (world - 1)),
     )
 
 
@@ -352,30 +308,27 @@ def fits(plan: CollectivePlan, capacity: int) -> bool:
 @dataclass(frozen=True)
 class PathOptions:
     """A communicator's choices of data path, the same on every rank (they decide the flag
-    sequences): copy engines, the one-shot/two-shot switch, pipelining, the direct path."""
+    sequences): copy engines, the one-shot/two-shot switch, the direct path (None: the measured
+    `default_direct` for the call's rank count)."""
 
     engines: CopyEngines = CopyEngines()
     one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES
-    piece_bytes: int = 0
-    direct: DirectLimits = DEFAULT_DIRECT
+    direct: DirectLimits | None = None
     int8_group: int = DEFAULT_GROUP
 
 
 def plan_call(op: Op, numel: int, elem_bytes: int, world: int, int8: bool, options: PathOptions,
               capacity: int) -> CollectivePlan | None:
-    """The plan of one call that fits slots of `capacity` bytes (pipelined if asked and its pieces
-    fit, else unpipelined), or None when the message is too large for them."""
-    for piece_bytes in dict.fromkeys((options.piece_bytes, 0)):
-        kw = dict(int8=int8, group=options.int8_group, engines=options.engines,
-                  piece_bytes=piece_bytes, direct=options.direct)
-        if op == "all_reduce":
-            plan = plan_all_reduce(numel, elem_bytes, world,
-                                   one_shot_max_bytes=options.one_shot_max_bytes, **kw)
-        else:
-            plan = plan_all_gather(numel, elem_bytes, world, **kw)
-        if fits(plan, capacity):
-            return plan
-    return None
+    """The plan of one call that fits slots of `capacity` bytes, or None when the message is too
+    large for them."""
+    kw = dict(int8=int8, group=options.int8_group, engines=options.engines,
+              direct=options.direct or default_direct(world))
+    if op == "all_reduce":
+        plan = plan_all_reduce(numel, elem_bytes, world,
+                               one_shot_max_bytes=options.one_shot_max_bytes, **kw)
+    else:
+        plan = plan_all_gather(numel, elem_bytes, world, **kw)
+    return plan if fits(plan, capacity) else None
 
 
 def message_pieces(numel: int, elem_bytes: int, max_bytes: int) -> list[tuple[int, int]]:

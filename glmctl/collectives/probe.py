@@ -17,33 +17,20 @@ VARIANTS = (("all_reduce", False), ("all_reduce", True), ("all_gather", False), 
 
 
 def time_collectives(rank: int, world: int, session: str, sizes: list[int],
-                     shared_gpu: bool = False, piece_sweep: tuple[list[int], list[int]] | None = None,
-                     ) -> list[dict]:
-    """One rank's timings. Sizes are messages: the all-reduce input, the all-gather output (bf16).
-    `piece_sweep` = (sizes, piece sizes in bytes, 0 = unpipelined): bf16 all-reduce and all-gather
-    again at each piece size (rows with "piece_bytes"), to measure what pipelining buys."""
+                     shared_gpu: bool = False) -> list[dict]:
+    """One rank's timings. Sizes are messages: the all-reduce input, the all-gather output (bf16)."""
     import torch
 
     torch.cuda.set_device(0 if shared_gpu else rank)
-    from dataclasses import replace
-
     from glmctl.collectives.communicator import HostStagedCommunicator
 
     comm = HostStagedCommunicator(rank, world, session, max(sizes), timeout_s=60)
-    cases = [(op, int8, size, None) for op, int8 in VARIANTS for size in sizes]
-    if piece_sweep is not None:
-        cases += [(op, False, size, pb) for op in ("all_reduce", "all_gather")
-                  for size in piece_sweep[0] for pb in piece_sweep[1]]
-    defaults = comm.options
     rows = []
     try:
-        for op, int8, size, piece_bytes in cases:
-            comm.options = replace(defaults, piece_bytes=defaults.piece_bytes if piece_bytes is None
-                                   else piece_bytes)
-            rows.append(_time_case(comm, rank, op, int8, size, world))
-            torch.cuda.empty_cache()  # the case's tensors are gone with its frame
-            if piece_bytes is not None:
-                rows[-1]["piece_bytes"] = piece_bytes
+        for op, int8 in VARIANTS:
+            for size in sizes:
+                rows.append(_time_case(comm, rank, op, int8, size, world))
+                torch.cuda.empty_cache()  # the case's tensors are gone with its frame
     finally:
         comm.close()
     return rows
@@ -77,7 +64,7 @@ def _time_case(comm, rank: int, op: str, int8: bool, size: int, world: int) -> d
     with comm.capture():
         us = graph_time_us(call, calls, replays)
     row = {"op": op, "int8": int8, "size": size, "us": us, "algorithm": plan.algorithm,
-           "d2h": plan.d2h, "h2d": plan.h2d, "pieces": plan.pieces,
+           "d2h": plan.d2h, "h2d": plan.h2d,
            "payload_bytes_d2h": plan.bytes_moved()[0], "payload_bytes_h2d": plan.bytes_moved()[1]}
     return row
 

@@ -7,14 +7,12 @@ destination writes 0. Two halves:
   await(f):   rank r's stream writes 2f+1 into its status word ("waiting at f", for the watchdog),
               waits until flag[f][j->r] == 1 for every peer j, writes 0 into each of those
               (the reader resets what it consumed), then writes 2f+2 ("passed f")
-A barrier is arrive + await on one stream. An unpipelined call is B0 (previous call's reads done),
-payload out, B1 (payloads in), reads, and for two-shot B2 (reduced chunks in) and reads. A
-pipelined call (`pipeline.py`) is B0, then per piece an arrive on the device-to-host stream after
-that piece's copy and an await on the caller's stream before reading it.
+A barrier is arrive + await on one stream. A call is B0 (previous call's reads done), payload
+out, B1 (payloads in), reads, and for two-shot B2 (reduced chunks in) and reads.
 
-Why the reset by the reader is safe, and why a call needs B0 besides its arrivals, is in
-`communicator.py`; `tests/unit/test_collectives_protocol.py` checks both call shapes on every
-interleaving a random scheduler finds, with each stream's writes delivered late but in order.
+Why the reset by the reader is safe, and why a call needs B0 besides B1, is in `communicator.py`;
+`tests/unit/test_collectives_protocol.py` checks it on every interleaving a random scheduler
+finds, with each stream's writes delivered late but in order.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from glmctl.collectives.cuda_driver import MemOp
-from glmctl.collectives.segment import BARRIERS, PIECE_FLAGS
+from glmctl.collectives.segment import BARRIERS
 
 Flag = Callable[[int, int, int], int]  # flag(f, src, dst) -> address
 # run(stream, ops, prepared): enqueue ops in order on the stream; `prepared` is what `prepare(ops)`
@@ -50,8 +48,8 @@ def barrier_memops(rank: int, world: int, b: int, flag: Flag, status: int) -> li
 
 
 class MemopSync:
-    """`staging.Sync` as stream memory operations: every barrier, arrival and await of this rank
-    prepared once at start-up (the addresses never change), enqueued by `run`."""
+    """`staging.Sync` as stream memory operations: every barrier of this rank prepared once at
+    start-up (the addresses never change), enqueued by `run`."""
 
     def __init__(self, rank: int, world: int, flag: Flag, status: int, run: RunMemops,
                  prepare: Callable[[list[MemOp]], Any] = lambda ops: None) -> None:
@@ -61,19 +59,9 @@ class MemopSync:
             return ops, prepare(ops)
 
         self._barriers = [prep(barrier_memops(rank, world, b, flag, status)) for b in range(BARRIERS)]
-        self._arrivals = [prep(arrive_memops(rank, world, BARRIERS + p, flag))
-                          for p in range(PIECE_FLAGS)]
-        self._awaits = [prep(await_memops(rank, world, BARRIERS + p, flag, status))
-                        for p in range(PIECE_FLAGS)]
 
     def barrier(self, b: int, stream: int) -> None:
         self._run(stream, *self._barriers[b])
-
-    def arrive(self, p: int, stream: int) -> None:
-        self._run(stream, *self._arrivals[p])
-
-    def await_flag(self, p: int, stream: int) -> None:
-        self._run(stream, *self._awaits[p])
 
 
 def waiting_flag(status: int) -> int | None:

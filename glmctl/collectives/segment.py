@@ -12,8 +12,7 @@ Layout (bytes):
             generation, capture count and digest)
     8192    GPU-written words, one 128-byte line per rank: status (+0), the direct path's epoch
             (+8) and progress (+64)
-    16384   flags, one 64-byte line per (flag, source rank, destination rank): the BARRIERS
-            barrier flags, then the PIECE_FLAGS per-piece arrival flags of the pipelined paths
+    16384   flags, one 64-byte line per (barrier, source rank, destination rank)
     D       direct-path flags (D = `direct_flags_offset(world)`): one 64-byte line per (program,
             destination rank), word j of it written by source rank j (a reader polls one line)
     H       data area (H = `header_bytes(world)`, a multiple of 64 KiB): world slots of `capacity`
@@ -37,12 +36,10 @@ import numpy as np
 from glmctl.collectives.errors import PeerLostError, SegmentError
 
 MAGIC = 0x474C4D43_4F4C4C31  # "GLMCOLL1"
-VERSION = 3  # 3: direct-path flag lines and payload area
+VERSION = 4  # 3: direct-path flag lines and payload area; 4: barrier flags only
 MAX_WORLD = 16
 BARRIERS = 3
-MAX_PIECES = 16  # pieces (slices) of one pipelined call; two-shot uses two flags per slice
-PIECE_FLAGS = 2 * MAX_PIECES
-FLAGS = BARRIERS + PIECE_FLAGS  # flag ids: barriers 0..BARRIERS-1, then piece flag p at BARRIERS + p
+FLAGS = BARRIERS  # flag ids: the barriers
 DIRECT = FLAGS  # the id the status word uses while a direct-path kernel waits (it has no memop flag)
 DIRECT_PROGRAMS = 16  # programs (CTAs) of every direct-path kernel: each polls its own flag line
 GPU_WORDS_OFFSET = 8192
@@ -272,7 +269,7 @@ class SharedSegment:
         return direct_flags_offset(self.world) + (program * self.world + dst) * 64
 
     def flag_offset(self, flag: int, src: int, dst: int) -> int:
-        """Flag ids: barrier b is `b`, piece flag p is `BARRIERS + p`."""
+        """Flag ids: barrier b is `b`."""
         return FLAGS_OFFSET + ((flag * self.world + src) * self.world + dst) * 64
 
     @property

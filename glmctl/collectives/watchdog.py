@@ -2,10 +2,9 @@
 
 A stream memory wait has no timeout of its own, so each rank runs this thread. It reads, from the
 shared segment, the rank's own status word (written by its GPU stream: `2f+1` on starting to wait
-at flag f, a barrier or a piece of a pipelined call, `2f+2` after passing it; f = DIRECT while a
-direct-path kernel polls), its progress word (bumped by the last kernel of every call), its
-incoming flags (for DIRECT: whether each peer's direct-path epoch word has reached this rank's),
-and every peer's pid and state. It declares the group broken when
+at barrier f, `2f+2` after passing it; f = DIRECT while a direct-path kernel polls), its progress
+word (bumped by the last kernel of every call), its incoming flags (for DIRECT: whether each
+peer's direct-path epoch word has reached this rank's), and every peer's pid and state. It declares the group broken when
 
 - a peer process is gone (exited or a zombie) without closing its communicator: at once;
 - this rank waits at a barrier for a peer that closed its communicator: at once;
@@ -29,7 +28,6 @@ from dataclasses import dataclass
 from glmctl.collectives.errors import CollectiveError, PeerLostError
 from glmctl.collectives.protocol import waiting_flag
 from glmctl.collectives.segment import (
-    BARRIERS,
     DIRECT,
     FLAGS,
     R_PID,
@@ -98,7 +96,7 @@ def diagnose(snap: Snapshot, unchanged_s: float, timeout_s: float) -> Verdict | 
 def _where(f: int) -> str:
     if f == DIRECT:
         return "a direct-path call"
-    return f"barrier {f}" if f < BARRIERS else f"piece flag {f - BARRIERS}"
+    return f"barrier {f}"
 
 
 class StallClock:

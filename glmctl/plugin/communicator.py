@@ -333,8 +333,9 @@ def attach_host_staged(dc, settings: CollectivesSettings) -> HostStagedCustomAll
     int8 = f"INT8 for all-reduce >= {threshold / MiB:.2f} MiB" if threshold else "INT8 off"
     logger.info("glmctl collectives: host-staged all-reduce and all-gather installed for group %s "
                 "(%s=%s, rank %d of %d, up to %d MiB per call and larger messages in pieces, %s, "
-                "copy engines %s)", dc.unique_name, ENV_MODE, settings.mode, dc.rank_in_group,
-                dc.world_size, comm.max_bytes // MiB, int8, getattr(comm, "copy_engines", "-"))
+                "copy engines %s, direct path %s)", dc.unique_name, ENV_MODE, settings.mode,
+                dc.rank_in_group, dc.world_size, comm.max_bytes // MiB, int8,
+                getattr(comm, "copy_engines", "-"), getattr(getattr(comm, "options", None), "direct", "-"))
     return ca
 
 

@@ -56,7 +56,7 @@ def _communicator(rank, world, session, max_bytes, **kw):
 
 
 def correctness(rank: int, world: int, session: str, cases: list[dict], max_bytes: int) -> list[dict]:
-    """Run every case (op, dtype, numel, int8, engines, one_shot_max_bytes, piece_bytes, dim) and
+    """Run every case (op, dtype, numel, int8, engines, one_shot_max_bytes, direct, dim) and
     report, per case, the error against an fp64 sum (or exact concatenation) and a checksum."""
     torch = _torch(rank)
     from dataclasses import replace
@@ -68,6 +68,7 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
     defaults = comm.options
     direct_kinds = {"ll": DirectLimits(ll_max_bytes=256 * 1024, capacity=defaults.direct.capacity),
                     "flag": DirectLimits(flag_max_bytes=512 * 1024, capacity=defaults.direct.capacity),
+                    "default": defaults.direct,
                     None: replace(defaults.direct, ll_max_bytes=0, flag_max_bytes=0)}
     rows = []
     try:
@@ -78,7 +79,6 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
             comm.options = replace(
                 defaults, engines=defaults.engines if eng == "auto" else CopyEngines.uniform(eng),
                 one_shot_max_bytes=case.get("one_shot_max_bytes", 256 * 1024),
-                piece_bytes=case.get("piece_bytes", defaults.piece_bytes),
                 direct=direct_kinds[case.get("direct")])
             seeds = [1_000_003 * (i + 1) + j for j in range(world)]
             inputs = [gen(s, numel, dtype) for s in seeds]
@@ -110,7 +110,7 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
                 err = (diff.abs() / tol).max().item()
                 ok = err <= 1.0
             rows.append({"i": i, "ok": ok, "err": err, "algorithm": plan.algorithm,
-                         "d2h": plan.d2h, "h2d": plan.h2d, "pieces": plan.pieces, "in_place": in_place,
+                         "d2h": plan.d2h, "h2d": plan.h2d, "in_place": in_place,
                          "shape": list(out.shape), "checksum": checksum(out)})
             del inputs, x, out, ref, diff
     finally:
@@ -119,23 +119,27 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
 
 
 def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
-    """Capture one graph holding five collectives (one-shot and two-shot bf16 all-reduce, INT8
-    all-reduce, fp16 all-gather along the last dim, INT8 all-gather), then replay it `replays`
-    times with fresh inputs written into the static buffers before every replay."""
+    """Capture one graph holding six collectives (bf16 all-reduces on the direct path, one-shot and,
+    above two ranks, two-shot; INT8 all-reduce; fp16 all-gather along the last dim (the direct
+    path); INT8 all-gather), then replay it `replays` times with fresh inputs written into the
+    static buffers before every replay."""
     torch = _torch(rank)
     comm = _communicator(rank, world, session, 4 * MiB, timeout_s=30)
     specs = {  # name: (numel, dtype)
         "ar_small": (16384, torch.bfloat16),
+        "ar_mid": (128 * 1024, torch.bfloat16),
         "ar_large": (MiB + 77, torch.bfloat16),
         "ar_int8": (MiB, torch.bfloat16),
         "ag": (32 * 96, torch.float16),
         "ag_int8": (4096 + 5, torch.bfloat16),
     }
     bufs = {k: torch.zeros(n, dtype=dt, device="cuda") for k, (n, dt) in specs.items()}
-    outs = {k: torch.empty_like(bufs[k]) for k in ("ar_small", "ar_large", "ar_int8")}
+    ars = ("ar_small", "ar_mid", "ar_large", "ar_int8")
+    outs = {k: torch.empty_like(bufs[k]) for k in ars}
 
     def body():
         comm.all_reduce(bufs["ar_small"], out=outs["ar_small"], int8=False)
+        comm.all_reduce(bufs["ar_mid"], out=outs["ar_mid"], int8=False)
         comm.all_reduce(bufs["ar_large"], out=outs["ar_large"], int8=False)
         comm.all_reduce(bufs["ar_int8"], out=outs["ar_int8"], int8=True)
         ag = comm.all_gather(bufs["ag"].view(32, 96), -1, int8=False)
@@ -152,8 +156,8 @@ def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
     with comm.capture():
         with torch.cuda.graph(graph):
             ag, ag8 = body()
-    worst = torch.zeros(5, dtype=torch.float64, device="cuda")
-    sums = torch.zeros(5, dtype=torch.int64, device="cuda")
+    worst = torch.zeros(6, dtype=torch.float64, device="cuda")
+    sums = torch.zeros(6, dtype=torch.int64, device="cuda")
     t0 = time.monotonic()
     for it in range(replays):
         inputs = {k: [gen(7919 * it + 131 * j + idx, n, dt) for j in range(world)]
@@ -161,7 +165,7 @@ def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
         for k in specs:
             bufs[k].copy_(inputs[k][rank])
         graph.replay()
-        for idx, k in enumerate(("ar_small", "ar_large", "ar_int8")):
+        for idx, k in enumerate(ars):
             ref = sum(t.double() for t in inputs[k])
             if k == "ar_int8":
                 e = (outs[k].double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt() / 0.01
@@ -169,11 +173,11 @@ def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
                 e = ((outs[k].double() - ref).abs() / (2.0**-8 * ref.abs() + 1e-6)).max()
             worst[idx] = torch.maximum(worst[idx], e)
         ref_ag = torch.cat([t.view(32, 96) for t in inputs["ag"]], dim=-1).double()
-        worst[3] = torch.maximum(worst[3], (ag.double() - ref_ag).abs().max())
+        worst[4] = torch.maximum(worst[4], (ag.double() - ref_ag).abs().max())
         ref8 = torch.cat(inputs["ag_int8"]).double()
         e8 = (ag8.double() - ref8).pow(2).mean().sqrt() / ref8.pow(2).mean().sqrt() / 0.01
-        worst[4] = torch.maximum(worst[4], e8)
-        for idx, t in enumerate((outs["ar_small"], outs["ar_large"], outs["ar_int8"], ag, ag8)):
+        worst[5] = torch.maximum(worst[5], e8)
+        for idx, t in enumerate((*(outs[k] for k in ars), ag, ag8)):
             w = t.reshape(-1).view(torch.int16).to(torch.int64)
             sums[idx] += (w * (torch.arange(w.numel(), device="cuda") % 251 + 1)).sum()
     torch.cuda.synchronize()
@@ -185,14 +189,15 @@ def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
 
 
 def lose_a_rank(rank: int, world: int, session: str, victim: int, mode: str,
-                timeout_s: float) -> dict:
-    """All ranks run a few all-reduces; then the victim dies (mode "kill": SIGKILL) or goes silent
-    ("stall": sleeps past the timeout). The others keep calling all_reduce until one raises."""
+                timeout_s: float, numel: int = 4096) -> dict:
+    """All ranks run a few all-reduces of `numel` bf16 elements (4096: the direct path by default;
+    131072: a barrier path); then the victim dies (mode "kill": SIGKILL) or goes silent ("stall":
+    sleeps past the timeout). The others keep calling all_reduce until one raises."""
     torch = _torch(rank)
     from glmctl.collectives import CollectiveError
 
     comm = _communicator(rank, world, session, MiB, timeout_s=timeout_s)
-    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    x = torch.ones(numel, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         comm.all_reduce(x)
     torch.cuda.synchronize()

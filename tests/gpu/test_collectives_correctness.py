@@ -1,7 +1,7 @@
 """Host-staged all-reduce / all-gather across 2 and 4 processes sharing one GPU: every dtype, sizes
-from 1 KB to 256 MB (odd ones too), both copy paths, the direct path (LL words and flag lines),
-pipelined (pieces in flight on two streams) and not, fresh random data, against fp64 sums or exact concatenation; every rank's output bitwise equal
-to every other's."""
+from 1 KB to 256 MB (odd ones too), both copy paths, the direct path (LL words, flag lines, and the
+measured default for the rank count), fresh random data, against fp64 sums or exact concatenation;
+every rank's output bitwise equal to every other's."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _cases(world: int) -> list[dict]:
                 cases.append({**base, "op": "all_gather", "int8": False, "shape": shape, "dim": dim})
                 cases.append({**base, "op": "all_gather", "int8": True, "shape": shape, "dim": dim})
             if nbytes <= 64 * 1024 + 2:  # the direct path, both payload formats
-                for kind in ("ll", "flag"):
+                for kind in ("ll", "flag", "default"):
                     base = {"dtype": dtype, "numel": numel, "engines": "auto", "direct": kind}
                     cases.append({**base, "op": "all_reduce", "int8": False})
                     shape, dim = ([numel], 0) if numel % 8 else ([8, numel // 8], -1)
@@ -40,14 +40,13 @@ def _cases(world: int) -> list[dict]:
                 for int8 in (False, True):
                     cases.append({"dtype": dtype, "numel": numel, "engines": "ce", "op": "all_reduce",
                                   "int8": int8, "one_shot_max_bytes": 0})
-    for nbytes in (2 * MiB + 666, 8 * MiB):  # the copy engine unpipelined, and in many pieces
+    for nbytes in (2 * MiB + 666, 8 * MiB):  # the copy engine both ways
         numel = nbytes // 2
-        for piece_bytes in (0, 256 * 1024):
-            base = {"dtype": "bfloat16", "numel": numel, "engines": "ce", "piece_bytes": piece_bytes}
-            for int8 in (False, True):
-                cases.append({**base, "op": "all_reduce", "int8": int8})
-                shape, dim = ([numel], 0) if numel % 8 else ([8, numel // 8], -1)
-                cases.append({**base, "op": "all_gather", "int8": int8, "shape": shape, "dim": dim})
+        base = {"dtype": "bfloat16", "numel": numel, "engines": "ce"}
+        for int8 in (False, True):
+            cases.append({**base, "op": "all_reduce", "int8": int8})
+            shape, dim = ([numel], 0) if numel % 8 else ([8, numel // 8], -1)
+            cases.append({**base, "op": "all_gather", "int8": int8, "shape": shape, "dim": dim})
     for nbytes in (64 * MiB, 256 * MiB):  # bf16 only, the calibrated copy paths
         numel = nbytes // 2 - 3
         ar = {"dtype": "bfloat16", "numel": numel, "engines": "auto", "op": "all_reduce"}
@@ -77,9 +76,6 @@ def test_collectives_match_fp64_and_agree_bitwise(world):
                                              if world > 2 else {"one_shot", "gather", "direct",
                                                                 "direct_ll"})
     assert {(r["d2h"], r["h2d"]) for r in rows} >= {("ce", "ce"), ("sm", "sm")}
-    ce = [r for r in rows if (r["d2h"], r["h2d"]) == ("ce", "ce")]
-    assert {r["pieces"] > 0 for r in ce} == {True, False}  # pipelined and not, both checked
-    assert max(r["pieces"] for r in rows) >= 8
     assert all(r["in_place"] for c, r in zip(cases, rows, strict=True) if c["op"] == "all_reduce")
     worst_int8 = max(r["err"] for c, r in zip(cases, rows, strict=True) if c["int8"])
     print(f"world {world}: {len(cases)} cases, worst INT8 relative RMS error {worst_int8:.4f}")

@@ -17,9 +17,12 @@ def _leftovers(session: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"glmctl-coll-{session}")]
 
 
-def test_killed_rank_is_named_not_waited_for():
-    session = f"kill{os.getpid()}"
-    results = run_ranks(lose_a_rank, 4, 2, "kill", 5.0, timeout_s=120, session=session)
+# 4096 elements take the direct path (a kernel polling host memory), 131072 a barrier path
+# (stream memory operations): the watchdog releases both kinds of wait
+@pytest.mark.parametrize("numel", [4096, 131072])
+def test_killed_rank_is_named_not_waited_for(numel):
+    session = f"kill{os.getpid()}n{numel}"
+    results = run_ranks(lose_a_rank, 4, 2, "kill", 5.0, numel, timeout_s=120, session=session)
     assert results[2].exitcode == -9
     for r in (results[0], results[1], results[3]):
         assert r.ok, r.error
@@ -28,9 +31,10 @@ def test_killed_rank_is_named_not_waited_for():
     assert not _leftovers(session)
 
 
-def test_stalled_rank_is_named_after_the_timeout():
-    session = f"stall{os.getpid()}"
-    results = run_ranks(lose_a_rank, 2, 1, "stall", 2.0, timeout_s=120, session=session)
+@pytest.mark.parametrize("numel", [4096, 131072])
+def test_stalled_rank_is_named_after_the_timeout(numel):
+    session = f"stall{os.getpid()}n{numel}"
+    results = run_ranks(lose_a_rank, 2, 1, "stall", 2.0, numel, timeout_s=120, session=session)
     for r in results:
         assert r.ok, r.error
     survivor, victim = results[0].value, results[1].value

@@ -21,7 +21,7 @@ def test_small_messages_are_latency_and_large_ones_host_memory_on_8_l40s():
     assert small.bound == "latency" and small.latency_s == pytest.approx(17e-6)
     big = cm.breakdown("all_reduce", 8, 16 * MiB, costs=COSTS)
     assert (big.path, big.bound) == ("two_shot", "host memory")
-    d2h, h2d = plan_all_reduce(8 * MiB, 2, 8, piece_bytes=0).bytes_moved()
+    d2h, h2d = plan_all_reduce(8 * MiB, 2, 8).bytes_moved()
     assert big.host_s == pytest.approx(8 * (d2h + h2d) / 100e9)
     assert big.link_s == pytest.approx(d2h / 25e9 + h2d / 25e9)
     assert big.seconds == pytest.approx(big.latency_s + big.host_s)

@@ -1,12 +1,10 @@
-"""The real data paths (`datapath.py`, the pipelined `pipeline.py`, the direct `direct.py`), flag
-protocol and kernels, run end to end on CPU: threads as ranks share a real segment. Each rank has two "streams", each a worker
-thread executing what the data path enqueued on it, in order: copies (memmove), stream memory
-operations (a wait spins on the word), event records and waits (CUDA's rule: a wait binds to the
-event's most recent record at enqueue time), and kernel launches (the Triton interpreter on CPU
-views of the same memory, one launch at a time: the interpreter is not thread-safe; a direct-path
-kernel runs as its publish half, a wait for the peers' epochs, and its collect half). Random small
-delays before operations vary the interleaving, so an ordering the code forgets shows up as wrong
-data. Every rank enqueues each case twice back to back (two calls in flight: a slot reused too
+"""The real data paths (`datapath.py`, the direct `direct.py`), flag protocol and kernels, run end
+to end on CPU: threads as ranks share a real segment. Each rank has a "stream", a worker thread
+executing what the data path enqueued on it, in order: copies (memmove), stream memory operations
+(a wait spins on the word) and kernel launches (the Triton interpreter on CPU views of the same
+memory, one launch at a time: the interpreter is not thread-safe; a direct-path kernel runs as its
+publish half, a wait for the peers' epochs, and its collect half). Random small delays before
+operations vary the interleaving, so an ordering the code forgets shows up as wrong data. Every rank enqueues each case twice back to back (two calls in flight: a slot reused too
 early shows up), then checks both against plain torch, and that the ranks agree bit for bit."""
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 _MODULES = collectives_interp.load()
 _PRELOADED = _MODULES is None
-kernels, direct, pipeline, datapath = _MODULES or (None, None, None, None)
+kernels, direct, datapath = _MODULES or (None, None, None)
 
 from glmctl.collectives.codec import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
 from glmctl.collectives.plan import (  # noqa: E402
@@ -42,7 +40,7 @@ from glmctl.collectives.staging import DirectArea, Staging  # noqa: E402
 
 interpreted = pytest.mark.skipif(_PRELOADED, reason="triton was imported before: test_fresh_process")
 MAX_BYTES = 64 * 1024
-MAIN, D2H = 1, 2  # stream handles: the caller's stream and the pipelined paths' second stream
+MAIN = 1  # the stream handle: the caller's stream
 _LAUNCH = threading.Lock()
 
 
@@ -53,7 +51,7 @@ def test_fresh_process():
 
 class SimStream:
     """A worker thread running enqueued operations in order, with random small delays (`slow`:
-    more and longer ones, so one stream lags its rank's other stream)."""
+    more and longer ones, so one rank lags the others)."""
 
     def __init__(self, name: str, seed: int, slow: bool = False):
         self.q: queue.Queue = queue.Queue()
@@ -94,58 +92,25 @@ def _spin(cond, what: str) -> None:
 
 
 class SimDriver:
-    """The driver calls the data paths make, as operations on two simulated streams. It also holds
-    the side stream to CUDA graph capture's rules: its work (copies, memory operations) lies between
-    a fork (it waits on an event of the main stream) and a join (the main stream waits on an event
-    recorded after that work)."""
+    """The driver calls the data paths make, as operations on the rank's simulated stream."""
 
     def __init__(self, rank: int):
-        self.streams = {MAIN: SimStream(f"r{rank}-main", 7 * rank + 1),
-                        D2H: SimStream(f"r{rank}-d2h", 7 * rank + 2, slow=rank == 0)}
-        self.recorded: dict[int, int] = {}  # event -> records enqueued (host side)
-        self.done: dict[int, int] = {}  # event -> records executed (device side)
-        self.recorded_on: dict[int, tuple[int, int]] = {}  # event -> (stream, side work before it)
-        self.side_work, self.joined, self.forked = 0, 0, False
-
-    def _put(self, stream, fn, work=True):
-        if stream == D2H and work:
-            assert self.forked, "work on the side stream outside a fork"
-            self.side_work += 1
-        self.streams[stream].put(fn)
+        self.streams = {MAIN: SimStream(f"r{rank}-main", 7 * rank + 1, slow=rank == 0)}
 
     def memcpy_async(self, dst, src, nbytes, stream):
         if nbytes > 0:
-            self._put(stream, lambda: ctypes.memmove(dst, src, nbytes))
+            self.streams[stream].put(lambda: ctypes.memmove(dst, src, nbytes))
 
     def run_memops(self, stream, ops, batch=None):
         for op in ops:
             word = ctypes.c_uint32.from_address(op.address)
             if op.kind == "write":
-                self._put(stream, lambda w=word, v=op.value: setattr(w, "value", v))
+                self.streams[stream].put(lambda w=word, v=op.value: setattr(w, "value", v))
             else:
-                self._put(stream, lambda w=word, v=op.value: _spin(
+                self.streams[stream].put(lambda w=word, v=op.value: _spin(
                     lambda: w.value == v, f"wait for {v} never satisfied"))
 
-    def event_record(self, event, stream):
-        n = self.recorded[event] = self.recorded.get(event, 0) + 1
-        self._put(stream, lambda: self.done.__setitem__(event, n), work=False)
-        self.recorded_on[event] = (stream, self.side_work)
-
-    def stream_wait_event(self, stream, event):
-        n = self.recorded.get(event, 0)  # binds to the most recent record enqueued so far
-        src, side_work = self.recorded_on.get(event, (None, 0))
-        assert src is not None and src != stream, f"stream {stream} waits on event {event} " \
-            "that no other stream recorded"
-        self._put(stream, lambda: _spin(lambda: self.done.get(event, 0) >= n,
-                                        f"event {event} never recorded"), work=False)
-        if stream == D2H:
-            self.forked = True
-        elif src == D2H:
-            self.joined = max(self.joined, side_work)
-            self.forked = self.joined < self.side_work  # all side work joined: a new fork is due
-
     def synchronize(self):
-        assert self.joined == self.side_work, "the side stream was not joined back"
         for s in self.streams.values():
             s.q.join()
             if s.error is not None:
@@ -177,30 +142,9 @@ class Regions:
         return torch.empty(0, dtype=p.dtype)  # past the end of a tensor: a launcher given no work
 
 
-class SimSide:
-    """`staging.SideStream` on the simulated driver: events 0 (fork), 1 (join), 2 + p (pieces)."""
-
-    def __init__(self, drv: SimDriver):
-        self.stream, self._drv = D2H, drv
-
-    def fork(self, main):
-        self._drv.event_record(0, main)
-        self._drv.stream_wait_event(D2H, 0)
-
-    def join(self, main):
-        self._drv.event_record(1, D2H)
-        self._drv.stream_wait_event(main, 1)
-
-    def signal(self, p, src):
-        self._drv.event_record(2 + p, src)
-
-    def after(self, p, dst):
-        self._drv.stream_wait_event(dst, 2 + p)
-
-
 class SimComm:
-    """One rank: the objects a data path takes (`Staging`, `MemopSync`, a side stream), built on
-    the simulated driver exactly as the communicator builds them on the real one."""
+    """One rank: the objects a data path takes (`Staging`, `MemopSync`), built on the simulated
+    driver exactly as the communicator builds them on the real one."""
 
     def __init__(self, seg: SharedSegment, rank: int, regions: Regions):
         self.rank, self.world = rank, seg.world
@@ -223,7 +167,6 @@ class SimComm:
         self.sync = MemopSync(rank, seg.world, lambda f, s, d: a + seg.flag_offset(f, s, d),
                               a + seg.status_offset(rank),
                               run=lambda stream, ops, prepared: self.drv.run_memops(stream, ops))
-        self.side = SimSide(self.drv)
 
 
 def _words(addr: int, n: int, dtype) -> np.ndarray:
@@ -293,49 +236,33 @@ def _wrap_launchers(regions: Regions, comms: dict):
     return restore
 
 
-PIECE = 2048  # bytes per piece in the pipelined cases: several pieces at these small sizes
-
-
 DIRECT_CAP = 16 * 1024
 
 
 def _cases(world):
-    """(op, dtype, numel, int8, engines, one_shot_max_bytes, piece_bytes); engines "ll" and "flag"
-    mean the direct path with that payload format."""
+    """(op, dtype, numel, int8, engines, one_shot_max_bytes); engines "ll" and "flag" mean the
+    direct path with that payload format."""
     cases = [  # the direct path, first and between the others (its area is its own)
-        ("all_reduce", torch.bfloat16, 3001, False, "ll", 0, 0),
-        ("all_reduce", torch.float32, 777, False, "flag", 0, 0),
-        ("all_gather", torch.bfloat16, 1001, False, "ll", 0, 0),
-        ("all_gather", torch.float32, 5, False, "flag", 0, 0),
+        ("all_reduce", torch.bfloat16, 3001, False, "ll", 0),
+        ("all_reduce", torch.float32, 777, False, "flag", 0),
+        ("all_gather", torch.bfloat16, 1001, False, "ll", 0),
+        ("all_gather", torch.float32, 5, False, "flag", 0),
     ]
     for eng in ("ce", "sm"):
         cases += [
-            ("all_reduce", torch.float32, 3001, False, eng, 1 << 30, 0),
-            ("all_reduce", torch.bfloat16, 2500, True, eng, 1 << 30, 0),
-            ("all_gather", torch.float16, 1001, False, eng, 0, 0),
-            ("all_gather", torch.bfloat16, 900, True, eng, 0, 0),
+            ("all_reduce", torch.float32, 3001, False, eng, 1 << 30),
+            ("all_reduce", torch.bfloat16, 2500, True, eng, 1 << 30),
+            ("all_gather", torch.float16, 1001, False, eng, 0),
+            ("all_gather", torch.bfloat16, 900, True, eng, 0),
         ]
         if world > 2:
             cases += [
-                ("all_reduce", torch.float32, 5003, False, eng, 0, 0),
-                ("all_reduce", torch.bfloat16, 700, True, eng, 0, 0),
-                ("all_reduce", torch.float32, 5, False, eng, 0, 0),  # chunks past the message
+                ("all_reduce", torch.float32, 5003, False, eng, 0),
+                ("all_reduce", torch.bfloat16, 700, True, eng, 0),
+                ("all_reduce", torch.float32, 5, False, eng, 0),  # chunks past the message
             ]
-        cases += [("all_reduce", torch.float16, 2048 + 1, False, "ll", 0, 0),
-                  ("all_reduce", torch.bfloat16, 9, False, "flag", 0, 0)]
-    cases += [  # pipelined (copy engine both ways)
-        ("all_reduce", torch.float32, 3001, False, "ce", 1 << 30, PIECE),
-        ("all_reduce", torch.bfloat16, 5000, True, "ce", 1 << 30, PIECE),
-        ("all_gather", torch.float16, 3001, False, "ce", 0, PIECE),
-        ("all_gather", torch.bfloat16, 2900, True, "ce", 0, PIECE),
-        ("all_reduce", torch.bfloat16, 129, False, "ce", 1 << 30, 256),  # pieces past the message
-    ]
-    if world > 2:
-        cases += [
-            ("all_reduce", torch.float32, 9003, False, "ce", 0, PIECE),
-            ("all_reduce", torch.bfloat16, 9000, True, "ce", 0, PIECE),
-            ("all_reduce", torch.float16, 300, False, "ce", 0, 256),  # empty regions
-        ]
+        cases += [("all_reduce", torch.float16, 2048 + 1, False, "ll", 0),
+                  ("all_reduce", torch.bfloat16, 9, False, "flag", 0)]
     return cases
 
 
@@ -345,19 +272,19 @@ def _inputs(seed, world, numel, dtype):
 
 
 def _plan(case, world):
-    op, dtype, numel, int8, eng, osm, piece = case
+    op, dtype, numel, int8, eng, osm = case
     eb = torch.empty(0, dtype=dtype).element_size()
     limits = {"ll": DirectLimits(ll_max_bytes=DIRECT_CAP // 2, capacity=DIRECT_CAP),
               "flag": DirectLimits(flag_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)}
     kw = dict(int8=int8, engines=CopyEngines.uniform("ce" if eng in limits else eng),
-              piece_bytes=piece, direct=limits.get(eng, DirectLimits()))
+              direct=limits.get(eng, DirectLimits()))
     if op == "all_reduce":
         return plan_all_reduce(numel, eb, world, one_shot_max_bytes=osm, **kw)
     return plan_all_gather(numel, eb, world, **kw)
 
 
 def _enqueue(comm, plan, x, out):
-    datapath.enqueue(plan, comm.staging, comm.sync, x, out, MAIN, comm.side)
+    datapath.enqueue(plan, comm.staging, comm.sync, x, out, MAIN)
 
 
 def _want(plan, xs, dtype):
@@ -388,7 +315,7 @@ def _run_cases(seg: SharedSegment, comm: SimComm, regions: Regions):
             want = _want(plan, xs, dtype)
             err = (got.double() - want.double()).abs().max().item()
             scale = want.double().abs().max().item() + 1e-9
-            rows.append((i, plan.algorithm, plan.pieces, err / scale, bytes(got.view(torch.uint8).numpy())))
+            rows.append((i, plan.algorithm, err / scale, bytes(got.view(torch.uint8).numpy())))
     return rows, int(comm.progress_t.item()), int(seg.word_at(seg.progress_offset(comm.rank)))
 
 
@@ -431,9 +358,9 @@ def test_every_path_end_to_end_on_cpu(world, tmp_path, monkeypatch):
     cases = _cases(world)
     rows0, ticks0, host0 = results[0]
     assert ticks0 == 2 * len(cases) == host0  # one progress tick per call, mirrored to host memory
-    for k, (i, algorithm, pieces, rel, raw) in enumerate(rows0):
+    for k, (i, algorithm, rel, raw) in enumerate(rows0):
         case = cases[i]
-        op, dtype, numel, int8, eng, osm, piece = case
+        op, dtype, numel, int8, eng, osm = case
         # fp32 sums are exact up to summation order rounding; the interpreter truncates casts to
         # 16-bit floats (the GPU rounds to nearest even), hence one 16-bit ulp elsewhere; INT8 may
         # also land one quantization step (1/127 of a group's amax) from the torch codec
@@ -444,6 +371,5 @@ def test_every_path_end_to_end_on_cpu(world, tmp_path, monkeypatch):
             assert algorithm == ("direct_ll" if eng == "ll" else "direct"), (case, algorithm)
         elif world > 2 and osm == 0 and op == "all_reduce":
             assert algorithm == "two_shot"
-        assert (pieces > 0) == (piece > 0) and (pieces > 1 or not piece or numel < 2000), (case, pieces)
         for r in range(1, world):
-            assert results[r][0][k][4] == raw, f"ranks 0 and {r} differ on {case}"
+            assert results[r][0][k][3] == raw, f"ranks 0 and {r} differ on {case}"

@@ -23,7 +23,7 @@ def raw(op, world, rank_bytes, us, *, dtype="bf16", variant="default", graph=Tru
     return {"phase": "t", "world": world, "op": op, "dtype": dtype, "rank_numel": rank_bytes // 2,
             "variant": variant, "graph": graph, "label": "", "rank_bytes": rank_bytes, "us": us,
             "wrong": wrong, "calls": 20, "replays": 5, "algorithm": algorithm, "d2h": "sm",
-            "h2d": "sm", "pieces": 0, "payload_bytes_d2h": d2h, "payload_bytes_h2d": h2d}
+            "h2d": "sm", "payload_bytes_d2h": d2h, "payload_bytes_h2d": h2d}
 
 
 def doc(rows):

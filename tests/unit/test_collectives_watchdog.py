@@ -42,12 +42,12 @@ def test_waiting_on_a_silent_peer_is_a_stall_only_after_the_timeout():
     assert "rank 2" in v.message and "barrier 0" in v.message
 
 
-def test_a_wait_at_a_piece_flag_names_the_piece():
+def test_a_wait_at_the_last_barrier_names_it():
     incoming = [(0, 0, 0)] * FLAGS
-    incoming[BARRIERS + 5] = (0, 1, 0)  # piece flag 5: rank 1 raised it, rank 2 did not
-    snap = _snap(status=2 * (BARRIERS + 5) + 1, incoming=tuple(incoming))
+    incoming[BARRIERS - 1] = (0, 1, 0)  # two-shot's B2: rank 1 arrived, rank 2 did not
+    snap = _snap(status=2 * (BARRIERS - 1) + 1, incoming=tuple(incoming))
     v = diagnose(snap, unchanged_s=5.0, timeout_s=5)
-    assert v.culprit == 2 and "piece flag 5" in v.message
+    assert v.culprit == 2 and f"barrier {BARRIERS - 1}" in v.message
 
 
 def test_idle_ranks_are_never_stalled():
@@ -95,7 +95,7 @@ def seg(tmp_path, monkeypatch):
 
 def test_watchdog_declares_a_stall_and_releases_the_waits(seg):
     errors = []
-    seg.set_word_at(seg.status_offset(0), 2 * (BARRIERS + 7) + 1)  # waits at piece flag 7
+    seg.set_word_at(seg.status_offset(0), 2 * (BARRIERS - 1) + 1)  # waits at the last barrier
     dog = Watchdog(seg, timeout_s=0.3, poll_s=0.01, on_error=errors.append)
     t0 = time.monotonic()
     dog.start()

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from glmctl.collectives.cost_model import PROTOCOL_COSTS
 from glmctl.probe.p2p import classify
 from glmctl.probe.report import CollectivePoint, DoctorReport, Gpu, P2PPair
 from glmctl.probe.verdict import ProfileFit, decide, prefill_floor
+
+_LATENCY_S = PROTOCOL_COSTS.latency_us("two_shot", 8) * 1e-6  # one 8-rank two-shot call's fixed cost
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 
@@ -54,8 +57,10 @@ def test_l40_vm_without_p2p():
     assert v.collectives_mode.startswith("host-staged")
     assert "NCCL_P2P_DISABLE=1" in v.required_settings and "--disable-custom-all-reduce" in v.required_settings
     assert any("reported but broken for 24 pairs" in r for r in v.reasons)
-    # 11,520 two-shot all-reduces of 16 MiB: 8 ranks * 2.875 * 16 MiB through 100 GB/s each
-    assert v.prefill_floor_s == pytest.approx(44.8, abs=0.1)
+    # 11,520 two-shot all-reduces of 16 MiB: 8 ranks * 2.875 * 16 MiB through 100 GB/s each, plus
+    # the protocol's fixed cost per call (measured on the thread rig)
+    assert v.prefill_floor_s == pytest.approx(11_520 * (8 * 2.875 * 16 * 2**20 / 100e9 + _LATENCY_S),
+                                              abs=0.1)
     assert v.prefill_floor_method.startswith("predicted")
     assert v.can_serve  # no profile fit given: GPUs and kernels allow it
 
@@ -116,7 +121,9 @@ def test_p2p_classification(can, write, state):
 def test_prefill_floor_scales_with_host_bandwidth():
     report = load("synthetic-8xL40-no-p2p.json")
     slow = report.model_copy(update={"bandwidth": [b.model_copy(update={"gbps": 50.0}) for b in report.bandwidth]})
-    assert prefill_floor(slow, 8)[0] == pytest.approx(2 * prefill_floor(report, 8)[0], rel=0.01)
+    fixed = 11_520 * _LATENCY_S  # the data term doubles, the per-call cost stays
+    assert prefill_floor(slow, 8)[0] - fixed == pytest.approx(2 * (prefill_floor(report, 8)[0] - fixed),
+                                                              rel=0.01)
     assert prefill_floor(report, 1) is None
 
 
