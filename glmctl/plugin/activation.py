@@ -26,7 +26,7 @@ from glmctl.plugin.policy import (
     PluginMode,
     Target,
     decide_platform,
-    is_glm5_next,
+    model_is_glm5_next,
 )
 
 # A child of vLLM's logger, so the line is formatted and routed like vLLM's own.
@@ -80,18 +80,6 @@ def is_active() -> bool:
 
 def installed_adapters() -> tuple[str, ...]:
     return tuple(_installed)
-
-
-def model_is_glm5_next(vllm_config) -> bool:
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is None:
-        return False
-    hf_config = getattr(model_config, "hf_config", None)
-    text_config = getattr(model_config, "hf_text_config", hf_config)
-    architectures = list(getattr(hf_config, "architectures", None) or ())
-    return is_glm5_next(getattr(text_config, "model_type", None), architectures) or is_glm5_next(
-        getattr(hf_config, "model_type", None), architectures
-    )
 
 
 def _install_config_gate(decision: PlatformDecision) -> None:

@@ -176,8 +176,8 @@ def _install_v1_selector_walk() -> str:
     from vllm.config.vllm import VllmConfig
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
-    from glmctl.plugin.activation import model_is_glm5_next
     from glmctl.plugin.patching import wrap_once
+    from glmctl.plugin.policy import model_is_glm5_next
 
     def make_sample(stock):
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):

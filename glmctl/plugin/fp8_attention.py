@@ -61,7 +61,7 @@ def install_fp8_attention() -> None:
 
     def check_and_update_config(cls, vllm_config) -> None:
         inner(vllm_config)
-        from glmctl.plugin.activation import model_is_glm5_next
+        from glmctl.plugin.policy import model_is_glm5_next
 
         if model_is_glm5_next(vllm_config) and _block_fp8(vllm_config.quant_config) is not None:
             os.environ[ENV_ACTIVE] = "1"

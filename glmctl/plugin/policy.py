@@ -99,6 +99,19 @@ def is_glm5_next(model_type: str | None, architectures: list[str] | tuple[str, .
     return any(arch in GLM5_NEXT_ARCHITECTURES for arch in architectures or ())
 
 
+def model_is_glm5_next(vllm_config) -> bool:
+    """True when a vLLM config (read by attribute only) is a GLM-5.3-Flash model's."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return False
+    hf_config = getattr(model_config, "hf_config", None)
+    text_config = getattr(model_config, "hf_text_config", hf_config)
+    architectures = list(getattr(hf_config, "architectures", None) or ())
+    return is_glm5_next(getattr(text_config, "model_type", None), architectures) or is_glm5_next(
+        getattr(hf_config, "model_type", None), architectures
+    )
+
+
 def kpool_tail_ring(index_kpool: int, num_speculative_tokens: int = 0) -> int:
     """Slots of a request's kpool tail ring: one pool (vLLM's), or ``kpool + drafts - 1`` with MTP.
 
