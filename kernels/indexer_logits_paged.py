@@ -82,8 +82,12 @@ BALANCED = PagedLogitsConfig("balanced", KERNEL_BALANCED, block_n=PAGED_CONFIG[0
                              num_warps=PAGED_CONFIG[1], num_stages=PAGED_CONFIG[2],
                              prefetch=PAGED_CONFIG[3])
 # The shipped configuration per query tokens per request (1, or 1 + MTP drafts), and what the
-# bench sweeps; each is compiled for sm_89 in tests/unit/test_kernels_sm89.py.
-PAGED_CONFIGS = {1: _grid_cfg(64, 2, 4, 2), 4: _grid_cfg(64, 2, 4, 2)}
+# bench sweeps; each is compiled for sm_89 in tests/unit/test_kernels_sm89.py. Chosen with Ada's
+# instructions on the H200 (mma.sync, no wgmma; bench/results/kernels-h200.md) at 240k: one
+# token, four 64-pool tiles per program (8 / 32 requests: 8.8 / 31.2 us against 9.3 / 32.7 us
+# for two tiles); four tokens (MTP), 32-pool tiles with 2 warps (22.9 us against 29.3 us). The
+# grid depends on the batch size and the block table's width only.
+PAGED_CONFIGS = {1: _grid_cfg(64, 4, 4, 2), 4: _grid_cfg(32, 4, 2, 2)}
 PAGED_CANDIDATES = [
     BALANCED,
     _grid_cfg(64, 1, 4, 1),

@@ -55,7 +55,8 @@ def shipped_configs():
     configs = {(fmt, cfg, "prefill") for (fmt, _), cfg in
                sparse_mla_configs.PREFILL_CONFIGS.items()}
     configs |= {(fmt, cfg, "decode") for (fmt, _), cfg in
-                sparse_mla_configs.DECODE_CONFIGS.items()}
+                (*sparse_mla_configs.DECODE_CONFIGS.items(),
+                 *sparse_mla_configs.DECODE_WIDE_CONFIGS.items())}
     configs |= {(fmt, cfg, "decode") for fmt, cfgs in
                 sparse_mla_configs.DECODE_CANDIDATES.items() for cfg in cfgs}
     for fmt, cfg, use in sorted(configs, key=lambda c: (c[0], c[2], c[1].name)):

@@ -10,8 +10,8 @@ Two kernels compute the same attention (see :mod:`.sparse_mla_prefill`):
 ``prefetch`` (heads-as-M only) double-buffers the row gathers in registers; ``reload`` gives the
 value product its own load of the tile, so that Triton's pipeliner stages the gathers through
 shared memory (``num_stages`` > 1); ``programs_per_sm`` is the occupancy the split-K planner
-fills. Every entry of ``PREFILL_CONFIGS``, ``DECODE_CONFIGS`` and ``DECODE_CANDIDATES`` is
-compiled for sm_89 by ``tests/unit/test_kernels_sm89.py`` (shared memory <= 99 KB, no spills);
+fills. Every entry of ``PREFILL_CONFIGS``, ``DECODE_CONFIGS``, ``DECODE_WIDE_CONFIGS`` and
+``DECODE_CANDIDATES`` is compiled for sm_89 by ``tests/unit/test_kernels_sm89.py`` (shared memory <= 99 KB, no spills);
 the candidates are what ``bench/kernels.py`` sweeps to choose the shipped decode entries.
 """
 
@@ -70,6 +70,16 @@ DECODE_CONFIGS = {
     (KV_BF16, 16): _cfg(HM, 64, 4, 2),
     (KV_BF16, 64): _cfg(HM, 32, 8, 2, block_h=32),
 }
+# Replaces a DECODE_CONFIGS entry for plans of at least WIDE_DECODE_ROWS query rows. Measured
+# with Ada's instructions on the H200 (bench/results/kernels-h200.md): at 128 rows the heads-as-N
+# kernel takes 97.3 / 122.8 us (fp8 / fp8_ds_mla) against 101.5 / 141.6 us; at 8 and 32 rows
+# the heads-as-M one is as fast or faster (fp8 32 rows: 31.8 against 34.1 us). Rows in between
+# were not measured. The plan fixes the choice per captured batch size.
+WIDE_DECODE_ROWS = 128
+DECODE_WIDE_CONFIGS = {
+    (KV_FP8, 16): _cfg(HN, 64, 4, 1),
+    (KV_FP8_DS_MLA, 16): _cfg(HN, 64, 4, 1),
+}
 
 # What the bench sweeps at TP8 (8 heads), per format. fp8 and fp8_ds_mla share the fp8
 # operand path; bf16 tiles are twice the bytes, so fewer rows per tile fit.
@@ -96,6 +106,15 @@ DECODE_CANDIDATES = {
         _cfg(HN, 32, 4, 1, per_sm=3),
     ],
 }
+
+
+def pick_decode_config(kv_format: str, num_heads: int, num_tokens: int) -> MLATileConfig:
+    """The shipped decode entry for a plan of ``num_tokens`` query rows."""
+    if num_tokens >= WIDE_DECODE_ROWS:
+        fitting = sorted(h for f, h in DECODE_WIDE_CONFIGS if f == kv_format and h >= num_heads)
+        if fitting:
+            return DECODE_WIDE_CONFIGS[(kv_format, fitting[0])]
+    return pick_config(DECODE_CONFIGS, kv_format, num_heads)
 
 
 def pick_config(table: dict, kv_format: str, num_heads: int) -> MLATileConfig:

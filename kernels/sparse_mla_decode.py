@@ -1,8 +1,8 @@
 """Split-K sparse MLA decode: stage 1 (an attention kernel, one program per (token, head block,
 split) writing fp32 partials: :mod:`.sparse_mla_prefill`'s heads-as-M kernel or, for <= 16 heads
 per rank, :mod:`.sparse_mla_heads_n`'s; the plan's configuration, from
-:data:`.sparse_mla_configs.DECODE_CONFIGS`, says which) and stage 2 (this module's combine kernel,
-a log-sum-exp merge in a fixed split order, so results are bit-reproducible).
+:func:`.sparse_mla_configs.pick_decode_config`, says which) and stage 2 (this module's combine
+kernel, a log-sum-exp merge in a fixed split order, so results are bit-reproducible).
 
 Tensors are exactly those of :func:`.sparse_mla_prefill.sparse_mla_prefill` (q ``[T, H, 512]``
 bf16, vLLM's latent cache in bf16, ``fp8`` (+ ``kv_scale``, the per-tensor scale read on the
@@ -29,11 +29,10 @@ import triton.language as tl
 
 from .layouts import KV_FP8_DS_MLA, mla_kv_format
 from .sparse_mla_configs import (
-    DECODE_CONFIGS,
     LAYOUT_HEADS_M,
     LAYOUT_HEADS_N,
     MLATileConfig,
-    pick_config,
+    pick_decode_config,
 )
 from .sparse_mla_heads_n import MAX_HEADS as HEADS_N_MAX_HEADS
 from .sparse_mla_heads_n import heads_n_block, launch_sparse_mla_heads_n
@@ -82,9 +81,10 @@ def plan_sparse_mla_decode(num_tokens: int, num_heads: int, topk_width: int, num
     within ``config.programs_per_sm`` programs per SM (one wave; a partial second wave would
     wait on the slowest split), at most ``MAX_SPLITS`` and at least two tiles per split. The
     tile configuration comes from the cache format (``layouts.KV_FP8``, ``KV_FP8_DS_MLA`` or
-    ``KV_BF16``; pass ``layouts.mla_kv_format(cache)``) unless ``config`` is given;
+    ``KV_BF16``; pass ``layouts.mla_kv_format(cache)``), the head count and the batch
+    (:func:`.sparse_mla_configs.pick_decode_config`) unless ``config`` is given;
     ``num_splits`` overrides the split count (benchmarks)."""
-    cfg = config or pick_config(DECODE_CONFIGS, kv_format, num_heads)
+    cfg = config or pick_decode_config(kv_format, num_heads, num_tokens)
     if cfg.layout == LAYOUT_HEADS_N and num_heads > HEADS_N_MAX_HEADS:
         raise ValueError(f"config {cfg.name} takes <= {HEADS_N_MAX_HEADS} heads per rank")
     head_blocks = triton.cdiv(num_heads, heads_n_block(num_heads) if cfg.layout ==
