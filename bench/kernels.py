@@ -66,8 +66,12 @@ def bench_decode(results, copy_bw, sms, peers):
                    "config": plan.config_name, "splits": plan.num_splits}
             results["decode"].append(row)
             print("decode " + json.dumps(row), flush=True)
-            if fmt == "bf16" and peers is not None and peers.mla is not None:
-                bench_peer_mla(results, peers, cache, q, idx, out, lse, call, t, sms)
+            if fmt == "bf16" and peers is not None and peers.has_mla:
+                try:  # a failing peer costs its own row, not the rest of the decode cases
+                    bench_peer_mla(results, peers, cache, q, idx, out, lse, call, t, sms)
+                except Exception as exc:
+                    results["errors"].append(f"peer_mla {rows} rows: {exc!r}"[:500])
+                    print(f"peer_mla failed: {exc!r}", flush=True)
         del cache
         torch.cuda.empty_cache()
 
@@ -94,7 +98,7 @@ def bench_indexer(results, copy_bw, peers):
             row = {"requests": requests, "next_n": next_n, "pools": pools, "context": ctx_name,
                    "us": t * 1e6, "frac_copy": kc.indexer_bytes(requests, next_n, pools) / t
                    / copy_bw, "config": paged.paged_config(next_n).name}
-            if peers is not None and peers.indexer is not None:
+            if peers is not None and peers.has_indexer:
                 args = peers.indexer_inputs(q, w, cache, bt, ctx)
                 theirs = peers.indexer_entry(*args)
                 visible = torch.arange(logits.shape[1], device=kc.DEV)[None, :] < ctx.reshape(
@@ -289,7 +293,7 @@ def main() -> int:
         from kernels_peers import Peers
 
         peers = Peers(args.peers)
-        results["peers"] = {"mla": peers.mla is not None, "indexer": peers.indexer is not None}
+        results["peers"] = {"mla": peers.has_mla, "indexer": peers.has_indexer}
     sms = props.multi_processor_count
     steps = []
     if args.sweep or args.sweep_only:

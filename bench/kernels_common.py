@@ -84,15 +84,16 @@ def copy_bandwidth() -> tuple[float, dict]:
     return max(found.values()), found
 
 
-def latent_cache(fmt: str, tokens: int) -> torch.Tensor:
+def latent_cache(fmt: str, tokens: int, fill: bool = True) -> torch.Tensor:
     """A [blocks, 64, row] latent cache filled by the Triton cache writer (fp8: vLLM's uint8
-    storage viewed as float8_e4m3fn, as its attention layer hands it over)."""
+    storage viewed as float8_e4m3fn, as its attention layer hands it over). ``fill=False``
+    leaves it unwritten (compile-only runs: the kernels' code does not depend on the values)."""
     block = 64
     blocks = -(-tokens // block)
     dtype = torch.bfloat16 if fmt == "bf16" else torch.uint8
     cache = torch.empty(blocks, block, ROW_BYTES[fmt] // dtype.itemsize, dtype=dtype, device=DEV)
-    step = 1 << 20
-    for lo in range(0, blocks * block, step):
+    step = 1 << 18  # rows per write: 0.5 GiB of fp32 noise at a time
+    for lo in range(0, blocks * block if fill else 0, step):
         hi = min(blocks * block, lo + step)
         latent = torch.randn(hi - lo, 512, device=DEV).to(torch.bfloat16)
         mla_cache_write(latent, torch.arange(lo, hi, device=DEV), cache, kv_scale(fmt))

@@ -54,12 +54,24 @@ def _vllm_stand_ins() -> dict:
 
 
 class Peers:
-    """The peers found in ``folder`` (either may be missing: its entries are then None)."""
+    """The peers found in ``folder`` (either may be missing: its module is then None and its
+    ``has_`` flag False). The loaded modules are ``mla_module`` / ``indexer_module``; ``mla`` and
+    the ``indexer_`` methods call into them."""
 
     def __init__(self, folder: Path):
         mla, idx = folder / "triton_sparse_mla_kernel.py", folder / "sm89_paged_indexer.py"
-        self.mla = _load(mla, "peer_vllm_sparse_mla", _vllm_stand_ins()) if mla.exists() else None
-        self.indexer = _load(idx, "peer_sglang_paged_indexer") if idx.exists() else None
+        self.mla_module = (_load(mla, "peer_vllm_sparse_mla", _vllm_stand_ins())
+                           if mla.exists() else None)
+        self.indexer_module = (_load(idx, "peer_sglang_paged_indexer")
+                               if idx.exists() else None)
+
+    @property
+    def has_mla(self) -> bool:
+        return self.mla_module is not None
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.indexer_module is not None
 
     # -- sparse MLA --------------------------------------------------------------------------
 
@@ -75,7 +87,8 @@ class Peers:
         return q576, kv, indices[:, None, :].contiguous()
 
     def mla(self, q576, kv, indices, scale, sm_count):
-        return self.mla.triton_sparse_mla_attention(q576, kv, indices, scale, sm_count=sm_count)
+        return self.mla_module.triton_sparse_mla_attention(q576, kv, indices, scale,
+                                                           sm_count=sm_count)
 
     # -- indexer -----------------------------------------------------------------------------
 
@@ -91,7 +104,8 @@ class Peers:
 
     def indexer_entry(self, flat_q, cache_u8, w, lens, table, max_len):
         """The peer's entry point as a caller uses it (it allocates and -inf-fills the logits)."""
-        return self.indexer.sm89_paged_fp8_index_logits(flat_q, cache_u8, w, lens, table, max_len)
+        return self.indexer_module.sm89_paged_fp8_index_logits(flat_q, cache_u8, w, lens, table,
+                                                               max_len)
 
     def indexer_kernel(self, flat_q, cache_u8, w, lens, table, max_len, logits):
         """The peer's kernel alone, into preallocated logits (its entry point's launch)."""
@@ -99,7 +113,7 @@ class Peers:
         scales = cache_u8[:, page_bytes:].view(torch.float32)
         fp8 = cache_u8.view(torch.float8_e4m3fn)
         grid = (flat_q.shape[0], triton.cdiv(max_len, 64))
-        self.indexer._sm89_paged_fp8_index_logits_kernel[grid](
+        self.indexer_module._sm89_paged_fp8_index_logits_kernel[grid](
             flat_q, flat_q.stride(0), flat_q.stride(2), flat_q.stride(3), fp8, fp8.stride(0),
             scales, scales.stride(0), w, w.stride(0), lens, lens.stride(0), table,
             table.stride(0), table.stride(1), logits, logits.stride(0), cache_u8.shape[0],

@@ -5,7 +5,8 @@ the TP8 decode shapes, each timed as a CUDA-graph replay.
 
 The sweep is a list of jobs in a fixed order; ``--shard i/n`` runs every n-th job once without
 timing, so n processes started first compile the variants in parallel into Triton's on-disk
-cache and the timing process finds them there.
+cache and the timing process finds them there. A compiling process holds one unfilled latent
+cache at a time (at most 2 GiB, the bf16 one): 16 of them share one GPU.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ def _sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
+_COMPILE_ONLY = [False]  # set by warm(): caches are left unfilled
+
+
 @functools.cache
 def _cache(fmt: str):
-    return kc.latent_cache(fmt, 8 * kc.CONTEXTS["240k"])
+    return kc.latent_cache(fmt, 8 * kc.CONTEXTS["240k"], fill=not _COMPILE_ONLY[0])
 
 
 @functools.cache
@@ -118,13 +122,23 @@ def jobs(kinds=KINDS) -> list:
 
 
 def warm(shard: int, shards: int, kinds=KINDS) -> None:
-    """Compile (run once, untimed) every ``shards``-th job starting at ``shard``."""
+    """Compile (run once, untimed) every ``shards``-th job starting at ``shard``; the latent
+    cache of one format is dropped before the next format's is made."""
+    _COMPILE_ONLY[0] = True
+    held = None
     for i, (build, args) in enumerate(jobs(kinds)):
-        if i % shards == shard:
-            try:
-                build(*args)[0]()
-            except Exception as exc:  # the timing process reports it
-                print(f"warm {i}: {exc!r}", flush=True)
+        if i % shards != shard:
+            continue
+        fmt = args[0] if build is _decode_job else None
+        if held is not None and fmt != held:
+            torch.cuda.synchronize()
+            _cache.cache_clear()
+            torch.cuda.empty_cache()
+        held = fmt
+        try:
+            build(*args)[0]()
+        except Exception as exc:  # the timing process reports it
+            print(f"warm {i}: {exc!r}", flush=True)
     torch.cuda.synchronize()
 
 
