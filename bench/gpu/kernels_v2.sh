@@ -8,6 +8,8 @@
 #                                                    codegen, then with Hopper's wgmma off, as
 #                                                    Ada compiles), then ncu on the main kernels
 #           bash bench/gpu/kernels_v2.sh final       gpu tests, then the benchmark with peers
+#           DISABLE_MMA_V3=1 bash ... final          the same with Ada's instructions (the
+#                                                    shipped defaults were chosen with them)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:-explore}
@@ -24,7 +26,8 @@ PEERS=()
   echo "peers: ${PEERS[*]:-none}; ncu: $(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || echo none)"
 } > "$LOG" 2>&1
 
-warm() {  # tag, kernels: compile the sweep's variants in 8 parallel processes (Triton's cache)
+warm() {  # tag, kernels: compile the sweep's variants in 8 parallel processes (Triton's cache;
+          # each holds one unfilled latent cache at a time, <= 2 GiB of GPU memory)
   local pids=() n=8 i
   for i in $(seq 0 $((n - 1))); do
     timeout 45 python3 bench/kernels.py --shard "$i/$n" --sweep-kernels "$2" \
