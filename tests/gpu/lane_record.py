@@ -122,8 +122,15 @@ def render_table(record: dict, width: int = 96) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python tests/gpu/lane_record.py RECORD [WHY]  -> finish it, print the table
-    import sys
+if __name__ == "__main__":  # python tests/gpu/lane_record.py RECORD [WHY] [--cases NAME ...] [--no-table]
+    import argparse
 
-    why = sys.argv[2] if len(sys.argv) > 2 else "not run: no test recorded it (see the lane's log)"
-    print(render_table(finish_record(Path(sys.argv[1]), why_missing=why)))
+    parser = argparse.ArgumentParser(description="finish the lane's record and print its table")
+    parser.add_argument("record", type=Path)
+    parser.add_argument("why", nargs="?", default="not run: no test recorded it (see the lane's log)")
+    parser.add_argument("--cases", nargs="+", default=list(REQUIRED_CASES), help="the cases that must be there")
+    parser.add_argument("--no-table", action="store_true")
+    args = parser.parse_args()
+    finished = finish_record(args.record, args.cases, why_missing=args.why)
+    if not args.no_table:
+        print(render_table(finished))

@@ -2,8 +2,9 @@
 lane and transformers 5.24 on the same GPU.
 
 One run of the lane (`vllm_lane_runs.run_lane`: about a dozen processes in three stages, engines
-side by side on the GPU) feeds one test per case of the record; `vllm_lane_cases` says how each is
-judged. The tiny checkpoint (seed 0), `GLMCTL_PLUGIN=on`, bf16 weights unless the case says:
+side by side on the GPU, done by $GLMCTL_GPU_LANE_DEADLINE) feeds one test per case of the
+record; `vllm_lane_cases` says how each is judged. The tiny checkpoint (seed 0),
+`GLMCTL_PLUGIN=on`, bf16 weights unless the case says:
 
   eager, graphs_full, graphs_piecewise   bf16 KV: prompt log p vs transformers fp32 and vs the CPU
                                          lane's fixture, greedy where decisive; graphs vs eager
@@ -63,7 +64,7 @@ def lane(tiny_checkpoint, tmp_path_factory):
         vllm_version=report.get("vllm_version") or md.version("vllm"),
         torch_version=report.get("torch_version") or torch.__version__,
         device=report.get("device") or torch.cuda.get_device_name(0),
-        vllm_lane={"stages_s": run.stages_s, "fixture": run.fixture_note,
+        vllm_lane={"stages_s": run.stages_s, "schedule": run.schedule, "fixture": run.fixture_note,
                    "prompts": {n: len(ids) for n, ids in run.prompts.items()}},
     )
     return run

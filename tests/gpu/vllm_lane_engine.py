@@ -20,7 +20,10 @@ verify step), first copy reported. "mtp" (an engine with speculative_config): ea
 checkpoint's own drafts, then with drafts steered to accept 3, 2, 1, 0 in turn
 (tests/vllm/mtp_parity.Oracle, steered along the natural run's output), then one seeded sampled
 request, twice. Every engine also reports its resolved configuration ("config"), the KV capacity
-vLLM logged ("kv_log") and seconds per phase.
+vLLM logged ("kv_log") and seconds per phase; each phase's end is also printed as it happens
+("##phase NAME SECONDS", seconds since this process started: imported, ready, requests, greedy,
+mtp, done), so the lane can start later engines once this one has filled the caches, and say
+where a killed engine was.
 """
 
 from __future__ import annotations
@@ -33,9 +36,16 @@ import sys
 import time
 from pathlib import Path
 
+STARTED = time.perf_counter()
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.pop("GLMCTL_PLUGIN_ACTIVE", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.gpu.vllm_lane_schedule import mark_phase  # noqa: E402 - after the path is set
+
+
+def _phase(name: str) -> None:
+    mark_phase(name, STARTED)
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
 
@@ -190,6 +200,7 @@ def run_engine(checkpoint: str, spec: dict, log: _LogLines) -> dict:
     start, first_line = time.perf_counter(), len(log.lines)
     llm = LLM(model=checkpoint, **spec["llm"])
     seconds["init"] = time.perf_counter() - start
+    _phase("ready")
     result: dict = {"label": spec["label"], "config": resolved_config(llm)}
     kv = [parse_kv_capacity(line) for line in log.lines[first_line:]]
     kv = [k for k in kv if k is not None]
@@ -200,6 +211,7 @@ def run_engine(checkpoint: str, spec: dict, log: _LogLines) -> dict:
         t = time.perf_counter()
         result["prompt_logprobs"] = prompt_logprobs(llm, prompts, spec["prompt_logprobs"])
         seconds["prompt_logprobs"] = time.perf_counter() - t
+        _phase("requests")
     greedy = spec.get("greedy")
     if greedy:
         t = time.perf_counter()
@@ -214,12 +226,15 @@ def run_engine(checkpoint: str, spec: dict, log: _LogLines) -> dict:
             runs["copies4"][name] = greedy_batch(llm, batch, list(batch), n)[f"{name}#0"]
         result["greedy"] = runs
         seconds["greedy"] = time.perf_counter() - t
+        _phase("greedy")
     if spec.get("mtp"):
         t = time.perf_counter()
         result["mtp"] = run_mtp(llm, prompts, spec["mtp"])
         seconds["mtp"] = time.perf_counter() - t
+        _phase("mtp")
     result["seconds"] = seconds
     _shutdown(llm)
+    _phase("done")
     return result
 
 
@@ -227,6 +242,7 @@ def main(request: dict) -> dict:
     import torch
     import vllm
 
+    _phase("imported")
     log = _LogLines()  # after vLLM's import: its logging config replaces the "vllm" logger's handlers
     logging.getLogger("vllm").addHandler(log)
 

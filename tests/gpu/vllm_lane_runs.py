@@ -3,15 +3,21 @@ the quantisers and the OpenAI server, each in its own process so its GPU memory 
 
 Every vLLM engine gets a fixed 1 GiB KV space (`kv_cache_memory_bytes`: vLLM skips its memory
 profile, which other processes on the GPU would disturb, and the planner predicts the KV tokens
-exactly) and checks only that 10 % of the GPU is free at start-up, so up to a dozen run side by
-side on one H200. Stages (each waits for the one before):
+exactly) and checks only that 10 % of the GPU is free at start-up, so a dozen run side by side on
+one H200. Stages, timed by tests/gpu/vllm_lane_schedule.py (its limits come from the first H200 run):
 
-  A  the eager engine (compiles the Triton kernels every later engine takes from the cache), the
-     transformers reference of the BF16 checkpoint, `glmctl quantize exl3` on the GPU, and here
-     `glmctl quantize fp8` plus both dequantised twins;
-  B  if the eager engine ran: FULL and PIECEWISE CUDA graphs, fp8 and fp8_ds_mla KV, MTP-3, the
-     FP8-attention and EXL3 checkpoints (eager and graphed), the server, the twins' references;
+  A  the warm-up: the eager engine alone among the engines (it fills the Triton, vLLM and Inductor
+     caches every later process reads), beside the transformers reference of the BF16 checkpoint,
+     `glmctl quantize fp8` and `glmctl quantize exl3` (on the GPU), their dequantised twins and the
+     twins' reference. Ends when the eager engine's first requests are done (or it exits, or its
+     limit passes); "warm.done" in the work folder then tells bench/gpu/vllm_lane.sh to start the
+     DFlash2 cases.
+  B  every other engine and the server, whatever happened to the eager engine: FULL and PIECEWISE
+     CUDA graphs, fp8 and fp8_ds_mla KV, MTP-3, the FP8-attention and EXL3 checkpoints (eager and
+     graphed), `glmctl serve`; the eager engine and the references finish meanwhile.
   C  transformers' top-2 at every prefix where two runs part off the reference's own greedy path.
+
+A case whose inputs are missing says which and why; no failure stops a run that does not need it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.gpu import vllm_lane_schedule as sched
+from tests.gpu.vllm_lane_schedule import Job
 from tests.vllm import lane_fixture
 
 GPU = REPO / "tests" / "gpu"
@@ -82,81 +90,39 @@ class Target:
 CUDA = Target()
 
 
-@dataclass
-class Job:
-    """One subprocess that prints a "@@<json>" report line; its output goes to `log`."""
-
-    label: str
-    argv: list[str]
-    log: Path
-    timeout: float
-    env: dict = field(default_factory=lambda: CUDA.env())
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-
-    def start(self) -> Job:
-        self.started = time.monotonic()
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
-                                         start_new_session=True)
-        return self
-
-    def collect(self) -> dict:
-        assert self.proc is not None
-        try:
-            self.proc.wait(max(1.0, self.started + self.timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(30)
-            return {"error": f"{self.label}: killed after {self.timeout:.0f} s; log tail:\n{self._tail()}"}
-        text = self.log.read_text(errors="replace")
-        lines = [ln for ln in text.splitlines() if ln.startswith("@@")]
-        if self.proc.returncode != 0 or not lines:
-            return {"error": f"{self.label}: exit {self.proc.returncode}; log tail:\n{self._tail()}"}
-        report = json.loads(lines[-1][2:])
-        report["wall_s"] = round(time.monotonic() - self.started, 1)
-        return report
-
-    def _tail(self, n: int = 4000) -> str:
-        text = self.log.read_text(errors="replace")
-        errors = [ln for ln in text.splitlines() if "Error" in ln or "error:" in ln]
-        return ("\n".join(errors[-6:]) + "\n---\n" if errors else "") + text[-n:]
-
-
-def run_jobs(jobs: list[Job], parallel: bool = True) -> dict[str, dict]:
-    if not parallel:
-        return {job.label: job.start().collect() for job in jobs}
-    for job in jobs:
-        job.start()
-    return {job.label: job.collect() for job in jobs}
-
-
 def _request(work: Path, label: str, body: dict) -> Path:
     path = work / f"{label}.json"
     path.write_text(json.dumps(body))
     return path
 
 
-def engine_job(target: Target, work: Path, label: str, checkpoint: Path, spec: dict, timeout: float = 240) -> Job:
+def engine_job(env: dict, work: Path, label: str, checkpoint: Path, spec: dict, timeout: float) -> Job:
     request = _request(work, label, {"checkpoint": str(checkpoint), "engines": [{"label": label, **spec}]})
     return Job(label, [sys.executable, str(GPU / "vllm_lane_engine.py"), str(request)], work / f"{label}.log",
-               timeout, target.env())
+               timeout, env, cwd=REPO)
 
 
-def reference_job(target: Target, work: Path, label: str, checkpoints: list[dict], timeout: float = 200) -> Job:
-    request = _request(work, label, {"device": target.device, "checkpoints": checkpoints})
+def reference_job(env: dict, device: str, work: Path, label: str, checkpoints: list[dict], timeout: float) -> Job:
+    request = _request(work, label, {"device": device, "checkpoints": checkpoints})
     return Job(label, [sys.executable, str(GPU / "vllm_lane_reference.py"), str(request)], work / f"{label}.log",
-               timeout, target.env())
+               timeout, env, cwd=REPO)
 
 
-def serve_job(target: Target, work: Path, checkpoint: Path, timeout: float = 300) -> Job:
+def serve_job(env: dict, target: Target, work: Path, checkpoint: Path, timeout: float) -> Job:
     from glmctl.serving.server import free_port
 
     request = _request(work, "serve", {"checkpoint": str(checkpoint), "profile": str(target.serve_profile),
                                        "port": free_port(), "timeout_s": 0.6 * timeout,
                                        "log": str(work / "serve-stderr.log")})
     return Job("serve", [sys.executable, str(GPU / "vllm_lane_serve.py"), str(request)], work / "serve.log", timeout,
-               target.env())
+               env, cwd=REPO)
+
+
+def lane_env(target: Target, work: Path) -> dict:
+    """The target's environment plus one shared cache root ($GLMCTL_GPU_LANE_CACHE, else under the
+    work folder) and the folder where every process group the lane starts is recorded."""
+    cache = Path(os.environ.get("GLMCTL_GPU_LANE_CACHE") or work / "cache")
+    return {**target.env(), **sched.cache_env(cache), sched.PGID_DIR_ENV: str(work / "pgids")}
 
 
 @dataclass
@@ -173,6 +139,7 @@ class LaneRun:
     serve: dict = field(default_factory=dict)
     quantize: dict[str, dict] = field(default_factory=dict)
     stages_s: dict[str, float] = field(default_factory=dict)
+    schedule: dict = field(default_factory=dict)  # limits given, how stage A ended, cache contents
 
 
 def lane_prompts(checkpoint: Path) -> tuple[dict, dict | None, str]:
@@ -224,39 +191,124 @@ def engine_specs(prompts: dict, target: Target = CUDA) -> dict[str, tuple[str, d
     }
 
 
-def run_lane(checkpoint: Path, work: Path, target: Target = CUDA, budget_s: float = 260,
+
+
+def _ok(report: dict) -> str:
+    return "ok" if "error" not in report else "FAILED"
+
+
+def run_lane(checkpoint: Path, work: Path, target: Target = CUDA, budget_s: float | None = None,
              on_stage=print) -> LaneRun:
-    """Run stages A, B, C (above); every process is stopped by `budget_s` after the start, so a
-    hang costs its case and leaves the others their verdicts."""
+    """Run stages A, B, C (above) by a deadline: `budget_s` from now, else $GLMCTL_GPU_LANE_DEADLINE
+    (epoch seconds, what bench/gpu/vllm_lane.sh sets), else 480 s from now. Each process runs
+    under its own limit (vllm_lane_schedule) cut to that deadline, so a hang costs its own case
+    and leaves the others their verdicts."""
     from tests.gpu import vllm_lane_checkpoints as ckpts
     from tests.gpu import vllm_lane_divergence as divergence
 
+    if budget_s is None:
+        at = os.environ.get("GLMCTL_GPU_LANE_DEADLINE")
+        budget_s = float(at) - time.time() if at else 480.0
     slower = 1 if target.device == "cuda" else 8  # vLLM CPU on two cores
-    deadline = time.monotonic() + budget_s * slower
+    began = time.monotonic()
+    deadline = began + budget_s * slower
 
-    def limit(seconds: float) -> float:
-        return max(5.0, min(seconds * slower, deadline - time.monotonic()))
+    def limit(seconds: float, reserve: float = 0.0) -> float:
+        return max(5.0, min(seconds * slower, deadline - reserve * slower - time.monotonic()))
 
     work.mkdir(parents=True, exist_ok=True)
+    (work / "warm.done").unlink(missing_ok=True)
+    env = lane_env(target, work)
     prompts, fixture, note = lane_prompts(checkpoint)
     run = LaneRun({"bf16": checkpoint}, prompts, fixture, note)
     specs = {k: v for k, v in engine_specs(prompts, target).items() if target.labels is None or k in target.labels}
     wanted = {ck for ck, _ in specs.values()}
+    started: list[Job] = []
+    results: dict[str, dict] = {}
 
-    t = time.monotonic()
-    stage_a = [engine_job(target, work, "eager", checkpoint, specs["eager"][1], limit(150)),
-               reference_job(target, work, "ref_bf16", [{"label": "bf16", "path": str(checkpoint),
-                                                         "dtypes": ["float32", "bfloat16"], "prompts": prompts,
-                                                         "greedy": {"tokens": REFERENCE_GREEDY_TOKENS,
-                                                                    "prompts": [n for n in prompts if n != STDLIB]}}],
-                             limit(150))]
-    if target.parallel:
-        for job in stage_a:
-            job.start()
+    def launch(job: Job) -> Job:  # vLLM CPU: one process at a time, each to its end
+        started.append(job.start())
+        if not target.parallel:
+            results[job.label] = job.collect()
+        return job
+
+    try:
+        eager = launch(engine_job(env, work, "eager", checkpoint, specs["eager"][1], limit(sched.COLD_ENGINE_S)))
+        launch(reference_job(env, target.device, work, "ref_bf16", [
+            {"label": "bf16", "path": str(checkpoint), "dtypes": ["float32", "bfloat16"], "prompts": prompts,
+             "greedy": {"tokens": REFERENCE_GREEDY_TOKENS, "prompts": [n for n in prompts if n != STDLIB]}}],
+            limit(sched.REFERENCE_S)))
+        _quantize(run, checkpoint, work, env, wanted, limit(sched.REFERENCE_S), ckpts)
+        for twin, source in (("fp8_deq", "fp8"), ("exl3_deq", "exl3")):
+            if twin not in run.checkpoints and source in wanted:
+                why = run.quantize.get(source, {}).get("error", "no checkpoint")
+                run.references[twin] = {"error": f"not run: no {twin} checkpoint ({why})"}
+        twins = [{"label": twin, "path": str(run.checkpoints[twin]), "dtypes": ["float32"], "prompts": prompts}
+                 for twin in ("fp8_deq", "exl3_deq") if twin in run.checkpoints]
+        if twins:
+            launch(reference_job(env, target.device, work, "ref_twins", twins, limit(sched.REFERENCE_S)))
+        gate = "sequential" if not target.parallel else eager.wait_phase(sched.GATE_PHASE,
+                                                                          eager.started + eager.timeout)
+        run.stages_s["A"] = round(time.monotonic() - began, 1)
+        run.schedule.update(stage_a_ended_by=gate, triton_kernels_cached=sched.triton_cached_kernels(env),
+                            limits_s={j.label: round(j.timeout) for j in started})
+        (work / "warm.done").write_text(json.dumps({"ended_by": gate, "after_s": run.stages_s["A"]}))
+        on_stage(f"stage A {run.stages_s['A']} s (ended by the eager engine's {gate}): quantize "
+                 + ", ".join(f"{k} {_ok(v)}" for k, v in run.quantize.items())
+                 + f"; {run.schedule['triton_kernels_cached']} Triton kernels cached")
+
+        t = time.monotonic()
+        stage_b = []
+        for label, (ckpt, spec) in sorted(specs.items(), key=lambda kv: -sched.engine_limit(kv[0])):
+            if label == "eager":
+                continue
+            if ckpt not in run.checkpoints:
+                results[label] = {"error": f"not run: no {ckpt} checkpoint ({run.quantize.get(ckpt, {}).get('error')})"}
+                continue
+            stage_b.append(engine_job(env, work, label, run.checkpoints[ckpt], spec,
+                                      limit(sched.engine_limit(label), sched.PROBES_S)))
+        if target.labels is None or "serve" in target.labels:
+            stage_b.insert(0, serve_job(env, target, work, checkpoint, limit(sched.SERVE_S, sched.PROBES_S)))
+        if target.parallel:
+            results.update(sched.run_pool(stage_b, sched.max_parallel(), deadline - sched.PROBES_S * slower,
+                                          also=list(started)))
+            started += [j for j in stage_b if j.proc is not None]
+        else:
+            for job in stage_b:
+                job.timeout = min(job.timeout, limit(job.timeout / slower, sched.PROBES_S))
+                launch(job)
+        run.schedule["limits_s"].update({j.label: round(j.timeout) for j in stage_b if j.proc is not None})
+        run.stages_s["B"] = round(time.monotonic() - t, 1)
+        _file(run, results, twins)
+        on_stage(f"stage B {run.stages_s['B']} s: " + ", ".join(f"{k} {_ok(v)}" for k, v in results.items()))
+
+        probes = divergence.probe_requests(run)
+        if probes:
+            t = time.monotonic()
+            job = launch(reference_job(env, target.device, work, "ref_probes", [
+                {"label": ck, "path": str(run.checkpoints[ck]), "dtypes": ["float32"], "prompts": {}, "probes": keys}
+                for ck, keys in probes.items()], limit(sched.PROBES_S)))
+            report = results.get("ref_probes") or job.collect()
+            for ck in probes:
+                run.probes[ck] = report if "error" in report else report["checkpoints"][ck]["probes"]
+            run.stages_s["C"] = round(time.monotonic() - t, 1)
+            on_stage(f"stage C {run.stages_s['C']} s: {sum(map(len, probes.values()))} reference probes")
+    finally:
+        for job in started:
+            job.stop()
+        run.stages_s["total"] = round(time.monotonic() - began, 1)
+    return run
+
+
+def _quantize(run: LaneRun, checkpoint: Path, work: Path, env: dict, wanted: set, timeout: float, ckpts) -> None:
+    """`glmctl quantize exl3` on the GPU (a subprocess, as a user runs it) while `glmctl quantize
+    fp8` runs here on the CPU; then both dequantised twins."""
     exl3_dir, exl3 = work / "tiny-exl3", None
     if "exl3" in wanted:
         exl3 = subprocess.Popen(ckpts.exl3_command(checkpoint, exl3_dir), stdout=subprocess.PIPE,
-                                stderr=(work / "quantize-exl3.log").open("w"), text=True, cwd=REPO, env=target.env())
+                                stderr=(work / "quantize-exl3.log").open("w"), text=True, cwd=REPO, env=env,
+                                start_new_session=True)
+        sched.record_group(env, exl3.pid)
     if "fp8" in wanted:
         try:
             run.checkpoints["fp8"] = ckpts.fp8_attention_checkpoint(checkpoint, work / "tiny-fp8")
@@ -264,70 +316,31 @@ def run_lane(checkpoint: Path, work: Path, target: Target = CUDA, budget_s: floa
             run.quantize["fp8"] = {"ok": True}
         except Exception as exc:  # noqa: BLE001 - the cases say what could not run
             run.quantize["fp8"] = {"error": f"glmctl quantize fp8 / dequantised twin: {type(exc).__name__}: {exc}"}
-    if exl3 is not None:
-        try:
-            out, _ = exl3.communicate(timeout=limit(150))
-            if exl3.returncode != 0:
-                raise RuntimeError(f"exit {exl3.returncode}: {(work / 'quantize-exl3.log').read_text()[-2000:]}")
-            run.quantize["exl3"] = {"ok": True, "result": json.loads(out)}
-            run.checkpoints["exl3"] = exl3_dir
-            run.checkpoints["exl3_deq"] = ckpts.exl3_dequantised_twin(checkpoint, exl3_dir, work / "tiny-exl3-deq")
-        except Exception as exc:  # noqa: BLE001
-            exl3.kill()
-            run.quantize["exl3"] = {"error": f"glmctl quantize exl3 on the GPU / dequantised twin: "
-                                             f"{type(exc).__name__}: {str(exc)[-1500:]}"}
-    results = ({job.label: job.collect() for job in stage_a} if target.parallel
-               else run_jobs(stage_a, parallel=False))
-    run.engines["eager"] = results["eager"]
-    run.references["bf16"] = results["ref_bf16"]
-    run.stages_s["A"] = round(time.monotonic() - t, 1)
-    on_stage(f"stage A {run.stages_s['A']} s: eager {'ok' if 'error' not in run.engines['eager'] else 'FAILED'}, "
-             f"reference {'ok' if 'error' not in run.references['bf16'] else 'FAILED'}, quantize "
-             + ", ".join(f"{k} {'ok' if 'error' not in v else 'FAILED'}" for k, v in run.quantize.items()))
-    if "error" in run.engines["eager"]:
-        why = "not run: the eager engine failed first (the same failure would repeat); see the eager case"
-        run.engines.update({label: {"error": why} for label in specs if label != "eager"})
-        run.serve = {"error": why}
-        return run
+    if exl3 is None:
+        return
+    try:
+        out, _ = exl3.communicate(timeout=timeout)
+        if exl3.returncode != 0:
+            raise RuntimeError(f"exit {exl3.returncode}: {(work / 'quantize-exl3.log').read_text()[-2000:]}")
+        run.quantize["exl3"] = {"ok": True, "result": json.loads(out)}
+        run.checkpoints["exl3"] = exl3_dir
+        run.checkpoints["exl3_deq"] = ckpts.exl3_dequantised_twin(checkpoint, exl3_dir, work / "tiny-exl3-deq")
+    except Exception as exc:  # noqa: BLE001
+        sched.kill_group(exl3.pid)
+        run.quantize["exl3"] = {"error": f"glmctl quantize exl3 on the GPU / dequantised twin: "
+                                         f"{type(exc).__name__}: {str(exc)[-1500:]}"}
 
-    t = time.monotonic()
-    stage_b = []
-    for label, (ckpt, spec) in specs.items():
-        if label == "eager":
-            continue
-        if ckpt not in run.checkpoints:
-            run.engines[label] = {"error": f"not run: no {ckpt} checkpoint ({run.quantize.get(ckpt, {}).get('error')})"}
-            continue
-        stage_b.append(engine_job(target, work, label, run.checkpoints[ckpt], spec, limit(150)))
-    twins = [{"label": twin, "path": str(run.checkpoints[twin]), "dtypes": ["float32"], "prompts": prompts}
-             for twin in ("fp8_deq", "exl3_deq") if twin in run.checkpoints]
-    if twins:
-        stage_b.append(reference_job(target, work, "ref_twins", twins, limit(120)))
-    if target.labels is None or "serve" in target.labels:
-        stage_b.append(serve_job(target, work, checkpoint, limit(180)))
-    results = run_jobs(stage_b, target.parallel)
+
+def _file(run: LaneRun, results: dict[str, dict], twins: list[dict]) -> None:
+    """Put each process's report where the cases read it."""
     for label, report in results.items():
         if label == "serve":
             run.serve = report
+        elif label == "ref_bf16":
+            run.references["bf16"] = report
         elif label == "ref_twins":
             for twin in twins:
                 run.references[twin["label"]] = (report if "error" in report
                                                  else report["checkpoints"][twin["label"]])
-        else:
+        elif label != "ref_probes":
             run.engines[label] = report
-    run.stages_s["B"] = round(time.monotonic() - t, 1)
-    on_stage(f"stage B {run.stages_s['B']} s: " + ", ".join(
-        f"{k} {'ok' if 'error' not in v else 'FAILED'}" for k, v in results.items()))
-
-    probes = divergence.probe_requests(run)
-    if probes:
-        t = time.monotonic()
-        job = reference_job(target, work, "ref_probes", [{"label": ck, "path": str(run.checkpoints[ck]),
-                                                          "dtypes": ["float32"], "prompts": {}, "probes": keys}
-                                                         for ck, keys in probes.items()], limit(60))
-        report = run_jobs([job])["ref_probes"]
-        for ck in probes:
-            run.probes[ck] = report if "error" in report else report["checkpoints"][ck]["probes"]
-        run.stages_s["C"] = round(time.monotonic() - t, 1)
-        on_stage(f"stage C {run.stages_s['C']} s: {sum(map(len, probes.values()))} reference probes")
-    return run

@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
+sys.path.insert(0, str(REPO))
 
 
 def glmctl(*args: str) -> list[str]:
@@ -96,6 +97,9 @@ def main(request: dict) -> dict:
     serve = subprocess.Popen(glmctl("serve", "--profile", request["profile"], "--model", ckpt, "--port", port,
                                     "--json"), stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
                              start_new_session=True)
+    from tests.gpu.vllm_lane_schedule import record_own_group
+
+    record_own_group(serve.pid)  # its own session: the lane stops it by this id if this helper is killed
     try:
         doc = _ready_document(serve, time.monotonic() + request.get("timeout_s", 300))
         report["startup_s"] = round(time.perf_counter() - started, 1)
