@@ -80,6 +80,7 @@ def test_the_lane_script_finishes_the_record_and_leaves_nothing_running(tmp_path
     assert proc.stdout.rstrip().splitlines()[-1] == f"2/{len(cases)} cases passed"  # the table comes last
     assert _gone(int((tmp_path / "leftover.pid").read_text()))
     assert not (out / "vllm-gpu-lane.json.lock").exists()
+    assert not [p for p in ("kernels", "quantize", "profiles") if (REPO / "glmctl" / p).is_symlink()]  # installed
     dists = list((tmp_path / "entry").glob("glmctl-*.dist-info"))  # one entry point for vLLM, no second copy
     assert len(dists) == 1
     assert "glmctl = glmctl.plugin:register" in (dists[0] / "entry_points.txt").read_text()
