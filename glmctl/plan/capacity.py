@@ -153,7 +153,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         for r in reserves(model, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=batched, num_spec=num_spec, mtp_layers=mtp_layers,
                           capture_sizes=graphs, constants=node.constants,
-                          drafter=spec.method != "none"):
+                          drafter=spec.method != "none", glmctl_plugin=setup.glmctl_plugin):
             memory.append(MemoryLine(section="reserve", key=r.key, label=r.label, bytes=r.bytes, basis=r.basis))
     used = sum(line.bytes for line in memory)
     if node.kv_cache_bytes is not None:

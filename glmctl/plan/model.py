@@ -125,7 +125,7 @@ def load_model_spec(source: str | Path) -> ModelSpec:
                           f"({type(exc).__name__}: {exc})", hint="a GLM-5.3-Flash config.json (model_type glm5_next)") from exc
     _check_sizes(spec, str(config_path))
     if spec.checkpoint_quant != "bf16":
-        spec = spec.model_copy(update={"fp8_attention": _fp8_attention(config_path.parent)})
+        spec = spec.model_copy(update={"fp8_attention": _fp8_attention(spec, config_path.parent, config)})
     return spec
 
 
@@ -154,14 +154,45 @@ _FP8_ATTENTION_MARKERS = {"kda": "self_attn.q_proj.weight_scale_inv",
                           "mla": "self_attn.q_b_proj.weight_scale_inv"}
 
 
-def _fp8_attention(checkpoint: Path) -> list[str]:
-    """Which attention families hold block-FP8 projections, from the checkpoint's tensor names
-    (its index, else its shard headers); [] when there are none or they cannot be read."""
+def _fp8_attention(spec: ModelSpec, checkpoint: Path, config: dict) -> list[str]:
+    """Which attention families glmctl's plugin builds in block FP8 for this checkpoint, by the
+    plugin's own rule (`glmctl.plugin.fp8_selection.select`): the families whose projections hold
+    block-FP8 scales, from the checkpoint's tensor names (its index, else its shard headers). When
+    no names can be read (a directory holding only config.json, as `glmctl testing rank-config`
+    writes for `--load-format dummy`), the plugin goes by the quantization config instead: a block-FP8
+    config makes every family FP8 whose projections `modules_to_not_convert` does not name."""
     from glmctl.quantize.safetensors_io import checkpoint_tensor_names
 
-    names = checkpoint_tensor_names(checkpoint) or []
-    return [family for family, marker in _FP8_ATTENTION_MARKERS.items()
-            if any(n.endswith(marker) for n in names)]
+    names = checkpoint_tensor_names(checkpoint)
+    if names is not None:
+        return [family for family, marker in _FP8_ATTENTION_MARKERS.items()
+                if any(n.endswith(marker) for n in names)]
+    from glmctl.plugin.fp8_selection import site
+
+    block = _block_fp8_config(config)
+    if block is None:
+        return []
+    ignored = {s for s in map(site, block.ignored) if s is not None}
+    layers = {"kda": spec.kda_layers, "mla": spec.mla_layers}
+    leaf = {family: marker.removeprefix("self_attn.").removesuffix(".weight_scale_inv")
+            for family, marker in _FP8_ATTENTION_MARKERS.items()}
+    return [family for family in _FP8_ATTENTION_MARKERS
+            if any((layer, leaf[family]) not in ignored for layer in layers[family])]
+
+
+def _block_fp8_config(config: dict):
+    """The block-FP8 part of a checkpoint's quantization config, as vLLM's Fp8Config reads it (the
+    config itself, or glmctl_exl3's `non_experts`); None when there is none."""
+    from glmctl.plugin.fp8_selection import block_fp8_of
+
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    if str(quant.get("quant_method", "")).lower() != "fp8":
+        quant = quant.get("non_experts") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method != "fp8":
+        return None
+    return block_fp8_of(quant.get("weight_block_size"), "fp8" in method, quant.get("activation_scheme", "dynamic"),
+                        quant.get("modules_to_not_convert") or quant.get("ignored_layers"))
 
 
 def _checkpoint_quant(config: dict) -> str:

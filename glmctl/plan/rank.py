@@ -16,8 +16,15 @@ from pydantic import BaseModel
 from glmctl.errors import UsageError
 from glmctl.plan.kv_cache import cdiv
 from glmctl.plan.model import ModelSpec, load_model_spec
-from glmctl.plan.setup import WeightFormats
-from glmctl.plan.weights import VOCAB_PADDING, WeightGroup, mtp_drafter_bytes, weight_groups
+from glmctl.plan.setup import WeightFormat, WeightFormats
+from glmctl.plan.weights import (
+    BF16,
+    VOCAB_PADDING,
+    WeightGroup,
+    matrix_bytes,
+    mtp_drafter_bytes,
+    weight_groups,
+)
 
 GIB = 1 << 30
 # The rank-config variants (`glmctl testing rank-config --experts`) as the checkpoint formats the
@@ -72,10 +79,17 @@ def truncated_model_spec(model: ModelSpec, num_layers: int | None = None, mtp_la
     })
 
 
+# The rank-config directory holds no tensors, so glmctl's plugin goes by its block-FP8 quantization
+# config and builds every attention family FP8 (`glmctl.plan.model._fp8_attention`); a node's
+# checkpoint from `glmctl quantize fp8` holds the same families FP8.
+VARIANT_FP8_ATTENTION = {"bf16": (), "fp8": ("kda", "mla"), "exl3": ("kda", "mla")}
+
+
 def variant_formats(variant: str, exl3_bits: int = 4) -> WeightFormats:
     if variant not in VARIANT_CHECKPOINT:
         raise UsageError(f"--experts {variant!r} is not one of {', '.join(VARIANT_CHECKPOINT)}")
-    return WeightFormats.for_checkpoint(VARIANT_CHECKPOINT[variant].format(bits=exl3_bits))
+    return WeightFormats.for_checkpoint(VARIANT_CHECKPOINT[variant].format(bits=exl3_bits),
+                                        VARIANT_FP8_ATTENTION[variant])
 
 
 class WeightComparison(BaseModel):
@@ -127,8 +141,13 @@ def rank_weights(variant: str, tp: int = 8, mtp: bool = False, exl3_bits: int = 
         f"vocabulary: {rank_vocab:,} rows per GPU at TP{tp}; vLLM pads the rank model's {rank_vocab:,} to "
         f"{cdiv(rank_vocab, VOCAB_PADDING) * VOCAB_PADDING:,} (embedding and LM head)",
         "bytes are parameters only; vLLM's 'Model loading took' also counts buffers it allocates while "
-        "building the model (e.g. the top-k index buffers)",
+        "building the model (e.g. the top-k index buffers) and the plugin's kernel workspaces",
     ]
+    if VARIANT_FP8_ATTENTION[variant]:
+        notes.append("KDA and MLA projections in block FP8, as the plugin builds them for the weightless rank "
+                     "model (every unit FP8 by the quantization config); the planner's --kda fp8 keeps KDA's "
+                     "f_b/g_b BF16 as `glmctl quantize fp8` stores them, which the rank model holds FP8 "
+                     f"({_fb_gb_difference(model, tp) / 2**20:.1f} MiB less on each GPU)")
     if variant == "exl3":
         notes.append(f"EXL3 experts at a nominal {exl3_bits} bits (trellis + fp16 channel scales, "
                      "the codebook marker not counted)")
@@ -139,3 +158,10 @@ def rank_weights(variant: str, tp: int = 8, mtp: bool = False, exl3_bits: int = 
 
 def all_rank_weights(tp: int = 8, mtp: bool = False, exl3_bits: int = 4) -> list[RankWeights]:
     return [rank_weights(v, tp, mtp, exl3_bits) for v in VARIANT_CHECKPOINT]
+
+
+def _fb_gb_difference(model: ModelSpec, tp: int) -> int:
+    """Bytes KDA's f_b/g_b projections (head_dim -> heads x head_dim / tp) save in FP8 over BF16."""
+    d, local = model.linear_head_dim, model.linear_num_heads * model.linear_head_dim // tp
+    one = matrix_bytes(BF16, d, local) - matrix_bytes(WeightFormat(kind="fp8"), d, local)
+    return 2 * one * len(model.kda_layers)

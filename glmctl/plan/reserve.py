@@ -1,10 +1,14 @@
 """Memory vLLM holds back on each GPU besides weights and KV cache, and the CUDA-graph sizes.
 
 Three kinds, labelled in every plan:
-- vLLM rules (exact for vLLM 0.30): the indexer's prefill K-gather workspace and its logits
-  reservation, reserved during the profiling run (`model_executor/layers/sparse_attn_indexer_kpool.py`,
-  `get_max_prefill_buffer_size` in `v1/attention/backends/mla/indexer.py`), and the top-k index
-  buffers (`Glm5NextModel` / the MTP layer in `vllm/models/glm5next/nvidia/`);
+- vLLM rules (exact for vLLM 0.30): stock vLLM's indexer reserves its prefill K-gather workspace
+  and its logits during the profiling run (`sparse_attn_indexer_kpool`'s profiling branch in
+  `model_executor/layers/sparse_attn_indexer_kpool.py`, `get_max_prefill_buffer_size` in
+  `v1/attention/backends/mla/indexer.py`); glmctl's plugin replaces that op
+  (`glmctl.plugin.indexer.GlmctlKpoolIndexer`), whose profiling run returns at once, so with the
+  plugin neither is reserved (its prefill logits, one chunk at a time, are allocated at run time).
+  The top-k index buffers (`Glm5NextModel` / the MTP layer in `vllm/models/glm5next/nvidia/`) are
+  built with the model either way;
 - estimates from the model's shapes: the activation peak of a `max_num_batched_tokens` forward;
 - node constants (`NodeConstants`): non-torch runtime memory and the CUDA-graph pool.
 """
@@ -73,10 +77,12 @@ def reserves(
     capture_sizes: list[int],
     constants: NodeConstants,
     drafter: bool = False,
+    glmctl_plugin: bool = True,
 ) -> list[ReserveItem]:
-    """Per-GPU memory vLLM's start-up profile counts as neither weights nor KV cache."""
+    """Per-GPU memory vLLM's start-up profile counts as neither weights nor KV cache
+    (`glmctl_plugin`: glmctl's indexer op, which reserves nothing in the profiling run)."""
     items: list[ReserveItem] = []
-    if model.has_indexer:
+    if model.has_indexer and not glmctl_plugin:
         gather = PREFILL_GATHER_TOKENS_PER_CONTEXT * max_model_len * (model.index_head_dim + 4)
         items.append(ReserveItem(key="indexer_workspace", label="indexer prefill K-gather workspace",
                                  bytes=gather + RADIX_TOPK_WORKSPACE, basis="vLLM rule"))
@@ -84,6 +90,7 @@ def reserves(
         logits = max(decode_rows * max_model_len * 4, INDEXER_MAX_LOGITS_MIB * MIB)
         items.append(ReserveItem(key="indexer_logits", label="indexer logits reservation",
                                  bytes=logits, basis="vLLM rule"))
+    if model.has_indexer:
         width = model.index_topk + (model.index_kpool - 1 if model.index_kpool > 1 else 0)
         width = -(-width // SPARSE_TOPK_BLOCK_N) * SPARSE_TOPK_BLOCK_N
         items.append(ReserveItem(key="topk_buffers", label="top-k index buffers",

@@ -158,7 +158,13 @@ def test_commercial_setup_fits_and_reports_every_part(glm):
     plan = plan_capacity(glm, gpu_node("8xL40"), setup)
     assert plan.fits and plan.short_by_bytes is None and plan.sessions_that_fit == 8
     keys = {m.key for m in plan.memory}
-    assert {"experts", "kda", "mla", "drafter", "indexer_workspace", "cudagraphs", "kda_state", "kv_tokens"} <= keys
+    assert {"experts", "kda", "mla", "drafter", "topk_buffers", "cudagraphs", "kda_state", "kv_tokens"} <= keys
+    # glmctl's indexer op reserves nothing in vLLM's profiling run; stock vLLM's reserves its workspace
+    assert not keys & {"indexer_workspace", "indexer_logits"}
+    stock = plan_capacity(glm, gpu_node("8xL40"), setup.model_copy(update={"glmctl_plugin": False}))
+    stock_keys = {m.key: m.bytes for m in stock.memory}
+    assert stock_keys["indexer_workspace"] == 40 * 262_144 * 132 + (1 << 20)
+    assert stock_keys["indexer_logits"] == 512 << 20 and stock.kv_pool_bytes < plan.kv_pool_bytes
     parts = sum(m.bytes for m in plan.memory if m.section != "kv")
     assert parts + plan.kv_pool_bytes == plan.budget_bytes
     assert sum(m.bytes for m in plan.memory if m.section == "kv") == plan.kv_pool_bytes
