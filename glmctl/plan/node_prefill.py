@@ -5,7 +5,9 @@ Two measurement forms (`PrefillMeasurement`):
   scaled by its bound (`PREFILL_BOUNDS`) and the indexer grown with the context already cached
   (it scores every pooled key; sparse MLA reads a fixed top-k; KDA and the MLPs do not look back);
 - whole measured TTFTs: scaled by the tensor-throughput ratio (all compute-bound: the conservative
-  reading of a prefill that mixes compute- and bandwidth-bound kernels).
+  reading of a prefill that mixes compute- and bandwidth-bound kernels), with the range from
+  nothing scaled to all of it scaled; a prompt (or queue) of another length than the report's is
+  extrapolated linearly in chunks (assumed: a chunk costs the same at any context) and says so.
 Either way every chunk adds the node's all-reduces (two per layer and the embedding's, INT8 as
 the report runs them) from the collective model; the rank model runs none.
 """
@@ -13,7 +15,7 @@ the report runs them) from the collective model; the rank model runs none.
 from __future__ import annotations
 
 from glmctl.plan.model import ModelSpec
-from glmctl.plan.node_prediction import (
+from glmctl.plan.node_records import (
     PREFILL_BOUNDS,
     PREFILL_CONTEXT_LINEAR,
     REPORT_PREFILL_256K_S,
@@ -28,6 +30,7 @@ from glmctl.plan.node_prediction import (
 )
 
 REPORT_QUEUE_PROMPT_TOKENS = 227_000
+REPORT_SINGLE_PROMPT_TOKENS = 256_000  # the report's "256k prompt" (bench/rank_sim.py's --prefill-256k)
 
 
 def _chunk_collectives_s(run: MeasuredRun, model: ModelSpec, time_model: CollectiveTimeModel) -> float:
@@ -49,20 +52,35 @@ def predict_prefill(run: MeasuredRun, model: ModelSpec, target: DeviceFigures, t
     if p.breakdown_us is not None:
         return _from_chunk(run, target, chunk_coll, collectives_from)
     ratio = run.device.throughput("compute_bf16") / target.throughput("compute_bf16")
-    basis = (f"predicted (from the measured {run.device.name} TTFT x {ratio:.2f}, its bf16 tensor throughput over "
-             f"{target.name}'s, all compute-bound assumed; + {p.allreduce_dtype} all-reduces per "
-             f"{p.chunk_tokens}-token chunk from {collectives_from})")
-    one_coll = _chunks(p.prompt_tokens, p.chunk_tokens) * chunk_coll
-    out = [PrefillPrediction(prompt_tokens=p.prompt_tokens, predicted_ttft_s=round(p.ttft_s * ratio + one_coll, 1),
-                             collectives_s=round(one_coll, 1), report_s=REPORT_PREFILL_256K_S, label=basis)]
+    basis = (f"predicted (from the {run.device.name}'s {p.ttft_basis} x {ratio:.2f}, its bf16 tensor throughput over "
+             f"{target.name}'s, all compute-bound assumed (range: x1 .. x{ratio:.2f}); + {p.allreduce_dtype} "
+             f"all-reduces per {p.chunk_tokens}-token chunk from {collectives_from}")
+    chunks = _chunks(p.prompt_tokens, p.chunk_tokens)
+    out = [_whole(p.ttft_s, chunks, _chunks(REPORT_SINGLE_PROMPT_TOKENS, p.chunk_tokens), REPORT_SINGLE_PROMPT_TOKENS,
+                  f"{p.prompt_tokens:,}-token prompt", ratio, chunk_coll, REPORT_PREFILL_256K_S, basis)]
     if p.queue_ttft_s is not None and p.queue_prompt_tokens is not None:
-        queue_coll = p.queue_prompts * _chunks(p.queue_prompt_tokens, p.chunk_tokens) * chunk_coll
-        out.append(PrefillPrediction(
-            prompt_tokens=p.queue_prompts * p.queue_prompt_tokens,
-            predicted_ttft_s=round(p.queue_ttft_s * ratio + queue_coll, 1), collectives_s=round(queue_coll, 1),
-            report_s=(REPORT_QUEUE_8X227K_S,) * 2,
-            label=basis + f"; the last of {p.queue_prompts} prompts of {p.queue_prompt_tokens:,} tokens"))
+        measured = p.queue_prompts * _chunks(p.queue_prompt_tokens, p.chunk_tokens)
+        wanted = 8 * _chunks(REPORT_QUEUE_PROMPT_TOKENS, p.chunk_tokens)
+        queue_basis = basis.replace(p.ttft_basis, p.queue_basis)
+        out.append(_whole(p.queue_ttft_s, measured, wanted, 8 * REPORT_QUEUE_PROMPT_TOKENS,
+                          f"queue of {p.queue_prompts} x {p.queue_prompt_tokens:,}-token prompts", ratio, chunk_coll,
+                          (REPORT_QUEUE_8X227K_S,) * 2,
+                          queue_basis + f"; the last of 8 prompts of {REPORT_QUEUE_PROMPT_TOKENS:,} tokens"))
     return out
+
+
+def _whole(measured_s: float, measured_chunks: int, wanted_chunks: int, wanted_tokens: int, measured_what: str,
+           ratio: float, chunk_coll: float, report: tuple[float, float], basis: str) -> PrefillPrediction:
+    """A whole measured prefill of `measured_chunks` chunks, extrapolated to `wanted_chunks` when they
+    differ (linear in chunks, said in the label), scaled by `ratio` (range x1 .. x ratio)."""
+    stand_in_s = measured_s * wanted_chunks / measured_chunks
+    label = basis if measured_chunks == wanted_chunks else (
+        basis + f"; extrapolated linearly in chunks from the measured {measured_what} ({measured_s:g} s, "
+                f"{measured_chunks} chunks -> {wanted_chunks}; assumed: a chunk costs the same at any context)")
+    coll = wanted_chunks * chunk_coll
+    return PrefillPrediction(prompt_tokens=wanted_tokens, predicted_ttft_s=round(stand_in_s * ratio + coll, 1),
+                             collectives_s=round(coll, 1), report_s=report, label=label + ")",
+                             range_s=(round(stand_in_s + coll, 1), round(stand_in_s * ratio + coll, 1)))
 
 
 def _from_chunk(run: MeasuredRun, target: DeviceFigures, chunk_coll: float,

@@ -123,7 +123,7 @@ def render_report(rep: ReportReproduction, console: Console) -> None:
 def render_prediction(pred, console: Console) -> None:
     """The node prediction in the report's scaling-table layout: sessions x context per method,
     each cell the predicted tok/s beside the report's, the ratio and what dominates the step."""
-    from glmctl.plan.node_prediction import CONTEXT_LABELS, REPORT_DECODE_CELLS
+    from glmctl.plan.node_records import CONTEXT_LABELS, REPORT_DECODE_CELLS
 
     console.print(f"[bold]8x {pred.target.name} decode, predicted[/bold] from {pred.source} "
                   f"({pred.stand_in.name} rank step; {pred.stand_in.source})")
@@ -144,23 +144,29 @@ def render_prediction(pred, console: Console) -> None:
                     row.append(f"not measured | rep {report:.0f}" if report else "")
                     continue
                 ratio = f" ({c.ratio_to_report:.2f}x)" if c.ratio_to_report else ""
-                row.append(f"pred {c.predicted_tok_s:,.0f} | rep {f'{report:.0f}' if report else '—'}{ratio}\n"
-                           f"[dim]{c.dominated_by}[/dim]")
+                spread = (f"\nrange {c.range_tok_s[0]:,.0f}..{c.range_tok_s[1]:,.0f}" if c.range_tok_s else "")
+                row.append(f"pred {c.predicted_tok_s:,.0f} | rep {f'{report:.0f}' if report else '—'}{ratio}"
+                           f"{spread}\n[dim]{c.dominated_by}[/dim]")
             table.add_row(str(sessions), *row)
         console.print(table)
     detail = Table(title="per cell (step time per rank on 8x L40, predicted)", title_justify="left")
-    for name in ("cell", "step ms", "collectives ms", "tokens/step", "basis"):
+    for name in ("cell", "measured ms", "step ms", "collectives ms", "tokens/step", "basis"):
         detail.add_column(name, justify="right" if "ms" in name or "tokens" in name else "left")
     for c in pred.cells:
-        detail.add_row(f"{c.sessions} x {c.context_tokens:,} {c.speculative}", f"{c.predicted_step_us / 1e3:.2f}",
-                       f"{c.collectives_us / 1e3:.2f} ({c.collective_calls} calls)", f"{c.tokens_per_step:g}",
-                       c.label)
+        basis = c.label
+        if c.report_implied_share is not None:
+            basis += (f"; the report's {c.report_tok_s:g} tok/s implies {c.report_implied_share:.0%} of the step "
+                      "scaled (inferred from the report, not measured)")
+        detail.add_row(f"{c.sessions} x {c.context_tokens:,} {c.speculative}", f"{c.measured_step_us / 1e3:.2f}",
+                       f"{c.predicted_step_us / 1e3:.2f}", f"{c.collectives_us / 1e3:.2f} ({c.collective_calls} calls)",
+                       f"{c.tokens_per_step:g}", basis)
     console.print(detail)
     for p in pred.prefill:
         report = "" if p.report_s is None else (
             f"; report {p.report_s[0]:g}-{p.report_s[1]:g} s" if p.report_s[0] != p.report_s[1]
             else f"; report about {p.report_s[0]:g} s")
-        console.print(f"prefill {p.prompt_tokens:,} tokens: {p.predicted_ttft_s:,.1f} s (collectives "
+        spread = f", range {p.range_s[0]:,.1f}..{p.range_s[1]:,.1f} s" if p.range_s else ""
+        console.print(f"prefill {p.prompt_tokens:,} tokens: {p.predicted_ttft_s:,.1f} s{spread} (collectives "
                       f"{p.collectives_s:,.1f} s){report} — {p.label}")
     console.print(f"collectives: {pred.collective_model}")
     console.print(f"tokens per step: {pred.acceptance}")

@@ -141,7 +141,7 @@ def test_bad_measurement_files_say_what_is_wrong(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_measured_run(tmp_path / "missing.json")
     no_breakdown = MeasuredRun.model_validate(dict(SYNTHETIC, reference={"sessions": 8, "context_tokens": 1}))
-    with pytest.raises(ConfigError, match="no breakdown_us"):
+    with pytest.raises(ConfigError, match="cell 8 x 1 none has neither step_us nor breakdown_us"):
         predict_node(no_breakdown)
 
 
@@ -205,8 +205,75 @@ def test_rank_sim_records_become_cells_reference_and_prefill(tmp_path):
     assert queue.predicted_ttft_s == pytest.approx(180.0 * ratio, abs=0.1) and queue.report_s == (220.0, 220.0)
 
 
-def test_rank_sim_records_without_a_profiled_cell_are_refused(tmp_path):
-    measured = {"source": "x", "device": SYNTHETIC["device"], "rank_sim": [RANK_SIM_NOSPEC]}
+def test_rank_sim_records_without_any_step_are_refused(tmp_path):
+    empty = {"name": "x", "settings": {"mtp": 3}, "cells": [{"cell": "8x64k", "no_window": "none"}]}
+    measured = {"source": "x", "device": SYNTHETIC["device"], "rank_sim": [empty]}
     (tmp_path / "m.json").write_text(json.dumps(measured))
-    with pytest.raises(ConfigError, match="no profiled cell"):
+    with pytest.raises(ConfigError, match="no measured step"):
         load_measured_run(tmp_path / "m.json")
+
+
+# Records with steps but no profile (synthetic values, the H200 run's shape): cells measured whole
+RANK_SIM_WHOLE = {
+    "name": "exl3-mtp3", "settings": {"mtp": 3, "chunk": 2048},
+    "cells": [
+        {"cell": "1x64k", "sessions": 1, "context": 64_000, "step_ms": 10.0, "ttft_s": [12.0], "errors": []},
+        {"cell": "8x22k", "sessions": 8, "context": 22_000, "step_ms": 20.0,
+         "ttft_s": [4.0, 8.0, 12.5, 16.0, 20.0, 24.0, 28.0, 32.0], "errors": []},
+        {"cell": "8x64k", "sessions": 8, "context": 64_000, "no_window": "no steady window",
+         "ttft_s": [10.0, 20.0, 31.0, 40.0, 50.0, 61.0, 70.0, 80.0], "errors": []},
+    ],
+}
+
+
+def test_steps_measured_whole_scale_by_the_stated_assumption_with_a_range(tmp_path):
+    measured = {"source": "synthetic", "device": SYNTHETIC["device"], "rank_sim": [RANK_SIM_WHOLE]}
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    run = load_measured_run(tmp_path / "m.json")
+    assert run.reference is None and [(c.sessions, c.context_tokens) for c in run.cells] == [(1, 64_000), (8, 22_000)]
+    pred = predict_node(run, time_model=_free_collectives)
+    bw = 4320.0 / 864.0
+    one, eight = pred.cells
+    assert one.predicted_step_us == pytest.approx(10_000.0 * bw)  # default: all of it bandwidth-bound
+    assert [k.kind for k in one.kinds] == ["whole_step_bandwidth_bound_assumed"]
+    tps = REPORT_TOKENS_PER_STEP["mtp:3"]
+    assert eight.range_tok_s == pytest.approx((8 * tps / (20e-3 * bw), 8 * tps / 20e-3), abs=0.1)
+    assert eight.range_shares == (1.0, 0.0) and eight.report_tok_s == 646.0
+    # the share at which the prediction meets the report's 646 tok/s (an inference, printed as one)
+    share = ((8 * tps / 646.0 * 1e6) / 20_000.0 - 1) / (bw - 1)
+    assert eight.report_implied_share == pytest.approx(share, abs=1e-3)
+    assert "measured whole (no breakdown)" in eight.label and eight.label.startswith("predicted (from")
+    assert any("no breakdown was measured" in n for n in pred.notes)
+    # a stated half-share: half the step scales, half does not
+    from glmctl.plan.node_records import WholeStepAssumption
+
+    half = predict_node(run.model_copy(update={"whole_step": WholeStepAssumption(scaled_share=0.5)}),
+                        time_model=_free_collectives)
+    assert half.cells[0].predicted_step_us == pytest.approx(10_000.0 * (0.5 * bw + 0.5))
+    assert [k.bound for k in half.cells[0].kinds] == ["bandwidth", "launch"]
+
+
+def test_prefill_from_queue_gaps_is_extrapolated_to_the_reports_prompts(tmp_path):
+    measured = {"source": "synthetic", "device": SYNTHETIC["device"], "rank_sim": [RANK_SIM_WHOLE]}
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    run = load_measured_run(tmp_path / "m.json")
+    p = run.prefill
+    assert (p.prompt_tokens, p.ttft_s, p.queue_ttft_s, p.queue_prompt_tokens) == (64_000, 10.0, 80.0, 64_000)
+    assert "median gap" in p.ttft_basis and "8 x 64,000" in p.ttft_basis
+    one, queue = predict_node(run, time_model=_free_collectives).prefill
+    ratio = 724.0 / 181.05
+    h200_256k = 10.0 * 125 / 32  # 64,000 tokens = 32 chunks of 2,048; 256,000 = 125
+    assert one.prompt_tokens == 256_000 and one.predicted_ttft_s == pytest.approx(h200_256k * ratio, abs=0.1)
+    assert one.range_s == pytest.approx((h200_256k, h200_256k * ratio), abs=0.1)
+    assert "extrapolated linearly in chunks" in one.label and one.report_s == (57.0, 72.0)
+    assert queue.prompt_tokens == 8 * 227_000
+    assert queue.predicted_ttft_s == pytest.approx(80.0 * (8 * 111) / (8 * 32) * ratio, abs=0.1)
+
+
+def test_cli_predict_prints_cells_measured_whole(run_cli, tmp_path):
+    measured = {"source": "synthetic", "device": SYNTHETIC["device"], "rank_sim": [RANK_SIM_WHOLE]}
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    proc = run_cli("plan", "--predict", str(tmp_path / "m.json"), env={"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    for text in ("pred ", "rep 646", "range", "implies", "inferred", "measured whole", "extrapolated"):
+        assert text in proc.stdout, text
