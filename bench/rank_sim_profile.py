@@ -1,0 +1,83 @@
+"""Where a decode step goes: vLLM's torch-profiler trace of a few engine iterations, kernel time
+grouped by kind (`KINDS`, first match wins) per iteration, and the GPU-idle time inside the span.
+
+Iterations are counted by glmctl's mHC finalize kernel, which runs twice per target layer per
+forward (the MTP layer has no mHC); the profiler's own iteration limit is the fallback. Only a
+trace written after the profile was started is read (`since`), so a trace of an earlier run in the
+same folder is never taken for this one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+from pathlib import Path
+
+# Kernel name -> kind, first match wins (lower-cased names). The MTP drafter's kernels are the
+# same kernels as the target's and count in their kinds.
+KINDS = (
+    ("mla_attention", r"sparse_mla|_combine_kernel|mla_cache_write|flash_mla|flashmla"),
+    ("indexer", r"indexer|kpool|fwht|topk_slices|_kpool_topk"),
+    ("kda", r"kda|chunk_|fused_recurrent|gated_delta|causal_conv|fla_|recompute_w_u|solve_tril"
+            r"|l2norm|gdn|kimi|wy_fast|cumsum_|chunk_local"),
+    ("routed_experts", r"exl3|fused_moe|moe_align|moe_sum|topk_softmax|grouped_topk|moe_|"
+                       r"_moe|count_and_sort|expert"),
+    ("norms_mhc", r"_mix_partials|_mix_finalize|rms_norm|rmsnorm|layernorm|layer_norm|mhc"),
+    ("dense_gemm", r"gemm|cutlass|cublas|xmma|w8a8|matmul|gemv|splitk|sm90_|sm80_|ampere_"
+                   r"|_scaled_mm|fp8_quant|per_token_group_quant|quant"),
+    ("sampler", r"argmax|sampl|softmax|topk|top_k|sort|gumbel|logit|penalt"),
+)
+_KIND_RE = [(k, re.compile(p)) for k, p in KINDS]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, rx in _KIND_RE:
+        if rx.search(low):
+            return kind
+    return "other"
+
+
+def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wait_s: float = 120.0) -> dict:
+    """Kernel time per kind per engine iteration from the newest worker trace written after `since`
+    (time.time()); see the module doc."""
+    deadline = time.monotonic() + wait_s
+    trace = None
+    while time.monotonic() < deadline:
+        files = sorted((p for p in profile_dir.rglob("*.json*") if "capture" not in p.parts
+                        and p.stat().st_mtime > since), key=lambda p: p.stat().st_mtime)
+        if files and time.time() - files[-1].stat().st_mtime > 3:  # written out (mtime is wall clock)
+            trace = files[-1]
+            break
+        time.sleep(2)
+    if trace is None:
+        return {"error": f"no profiler trace under {profile_dir} written after the profile started "
+                         f"(waited {wait_s:.0f} s)"}
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and e.get("ph") == "X"]
+    if not kernels:
+        return {"error": f"{trace.name}: no kernel events"}
+    per_kind: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for e in kernels:
+        k = kind_of(e.get("name", "")) if e["cat"] == "kernel" else "memcpy"
+        per_kind[k] = per_kind.get(k, 0.0) + float(e.get("dur", 0.0))
+        top[e.get("name", "")[:90]] = top.get(e.get("name", "")[:90], 0.0) + float(e.get("dur", 0.0))
+    finals = sum(1 for e in kernels if "_mix_finalize" in e.get("name", ""))
+    if finals >= 2 * layers:
+        steps = finals / (2 * layers)
+    start = min(float(e["ts"]) for e in kernels)
+    end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in kernels)
+    busy = sum(per_kind.values())
+    span = end - start
+    result = {k: round(v / steps, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])}
+    result["gpu_idle_in_span"] = round(max(0.0, span - busy) / steps, 1)
+    return {"trace": trace.name, "iterations": round(steps, 2), "kernels": len(kernels),
+            "span_us_per_iteration": round(span / steps, 1), "us_per_iteration": result,
+            "top_kernels_us_per_iteration": {k: round(v / steps, 1) for k, v in
+                                             sorted(top.items(), key=lambda kv: -kv[1])[:25]}}
