@@ -32,13 +32,13 @@ BOOT_PHASES = (
     ("load_model_done", r"Model loading took"),
     ("kv_memory", r"Available KV cache memory"),
     ("graph_memory_profile", r"Profiling CUDA graph memory"),
-    ("kv_allocated", r"GPU KV cache size"),
+    ("kv_allocated", r"(?:GPU|CPU) KV cache size"),
     ("graphs_captured", r"Graph capturing finished"),
     ("engine_ready", r"init engine \(profile, create kv cache, warmup model\) took"),
     ("api_ready", r"Application startup complete|Starting vLLM API server"),
 )
 FACTS = (
-    ("kv_tokens", r"GPU KV cache size: ([\d,]+) tokens"),
+    ("kv_tokens", r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens"),
     ("weights_gib", r"Model loading took ([\d.]+) GiB"),
     ("load_model_s", r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds"),
     ("kv_memory_gib", r"Available KV cache memory: ([\d.]+) GiB"),
@@ -53,8 +53,11 @@ FACTS = (
     ("cudagraph_gib", r"GiB for peak activation, and ([\d.]+) GiB for CUDAGraph memory"),
     ("cudagraph_estimate_gib", r"CUDA graph pool memory: [\d.]+ GiB \(actual\), ([\d.]+) GiB \(estimated\)"),
 )
+# kernel and graph choices: vLLM auto-enables breakable CUDA graphs for GLM-5.3-Flash (config/vllm.py),
+# which runs every op marked `eager_break_during_capture` (KDA, MLA attention, the indexer) eagerly
+# between graph segments in each step: host time the GPU's speed does not change
 KERNEL_LINE = re.compile(r"Selected \w+ for |Fp8 MoE backend|glmctl fp8 attention|glmctl exl3|Using \w+ for "
-                         r"|Using \w+ backend|attention backend|kda.prefill")
+                         r"|Using \w+ backend|attention backend|kda.prefill|BREAKABLE_CUDAGRAPH|CUDA graph memory")
 AUTOTUNE = re.compile(r"Triton autotuning for function (\S+).*?finished after ([\d.]+) ?s")
 JIT_AFTER_WARMUP = re.compile(r"JIT|autotun", re.IGNORECASE)
 _STAMP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d)")
@@ -95,13 +98,17 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None  # time.time() of the launch
+        self.memory: dict = {}  # what the budget was made of (the planner's comparison needs it)
 
     def argv(self) -> list[str]:
         a = self.args
         if a.kv_cache_gib:  # a fixed KV space (vLLM skips its memory profile): CPU dry runs
             memory = ["--kv-cache-memory-bytes", str(int(a.kv_cache_gib * 2**30))]
         else:
-            memory = ["--gpu-memory-utilization", f"{min(0.95, a.gpu_mem_gib / _gpu_total_gib()):.4f}"]
+            total = _gpu_total_gib()
+            util = f"{min(0.95, a.gpu_mem_gib / total):.4f}"
+            self.memory = {"gpu_total_gib": round(total, 4), "gpu_memory_utilization": float(util)}
+            memory = ["--gpu-memory-utilization", util]
         argv = [sys.executable, "-m", _vllm_cli(), "serve", str(a.model),
                 "--served-model-name", "rank", "--port", str(self.port), "--host", "127.0.0.1",
                 "--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-dtype", a.kv,
@@ -151,7 +158,7 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(2)
-        return {"startup_s": round(time.monotonic() - t0, 1), **self.log_facts()}
+        return {"startup_s": round(time.monotonic() - t0, 1), **self.memory, **self.log_facts()}
 
     def tail(self, n: int = 40) -> str:
         try:

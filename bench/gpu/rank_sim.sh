@@ -8,7 +8,10 @@
 #   bash bench/gpu/rank_sim.sh --detach RUN ...     in a session of its own, which outlives the call
 #   bash bench/gpu/rank_sim.sh --collect [SECONDS]  wait up to SECONDS (default 0) for the detached
 #                                                   job, copy what it wrote into $OUT, print the table
-#   runs: main (= exl3-mtp3), exl3-mtp3, exl3-nospec, fp8-mtp3, stock
+#   runs: main (= exl3-mtp3), exl3-mtp3, exl3-fullgraph, exl3-nospec, fp8-mtp3, stock
+#         (exl3-fullgraph: VLLM_USE_BREAKABLE_CUDAGRAPH=0, so KDA, MLA attention and the indexer are
+#         captured too instead of running eagerly between graph segments, vLLM's default for this
+#         model: the A/B that says how much of a step is host time)
 #   env:  RANK_SIM_SECONDS (per run; default 520 in the foreground, 1050 detached),
 #         RANK_SIM_DIR (the detached job's folder, default /root/rank-sim), RANK_SIM_SAVE_TRITON=1
 #         (put Triton's cache, autotuning included, into $OUT as triton-cache.tar.xz when under
@@ -24,6 +27,7 @@
 #   boot ~250 s, warm-up ~40 s, 8x22k ~50 s, 8x227k ~350 s (eight 227k prefills queue one at a time,
 #   ~0.35 s per 2,048-token chunk on the H200), 256k ~45 s; 8x64k and 1x64k only if time is left.
 #   The table (last) and every file come back with call 5; call 4's come back with what was done by then.
+#   Next in line, ~6 min each with its own boot: exl3-fullgraph (the host-time A/B), exl3-nospec, fp8-mtp3.
 #
 # What an sm_89 node gets where vLLM chooses by compute capability, and how this forces it here
 # (read from vLLM 0.30's source; bench/results/rank-sim-h200.md lists them with references):
@@ -146,6 +150,7 @@ run() {  # name experts mtp plugin cells profile_cell extra...
 for r in "${@:-main}"; do
   case $r in
     main|exl3-mtp3) run exl3-mtp3 exl3 3 on warm,8x22k,8x227k,256k,8x64k,1x64k 8x227k ;;
+    exl3-fullgraph) run exl3-fullgraph exl3 3 on warm,8x22k,1x64k "" --env VLLM_USE_BREAKABLE_CUDAGRAPH=0 ;;
     exl3-nospec)    run exl3-nospec exl3 0 on warm,8x22k,8x227k "" ;;
     fp8-mtp3)       run fp8-mtp3 fp8 3 on warm,1x64k,8x22k "" ;;
     stock)          run stock fp8 0 off 1x8k "" --max-model-len 16384 ;;
