@@ -90,7 +90,9 @@ if [ "${1:-}" = "--detach" ]; then
 fi
 trap 'rm -f "$JOB/running"' EXIT
 
-for p in kernels quantize profiles; do [ -e "glmctl/$p" ] || ln -s "../$p" "glmctl/$p"; done
+# the package mapping by symlinks, only where glmctl is not installed (an installed glmctl has it)
+python3 -c "import importlib.util as u; raise SystemExit(u.find_spec('glmctl.kernels') is None)" 2>/dev/null ||
+  for p in kernels quantize profiles; do [ -e "glmctl/$p" ] || ln -s "../$p" "glmctl/$p"; done
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     $(ls .whl/*.whl | grep -v '/glmctl-') || echo "installing .whl failed (EXL3 runs will fail)"
