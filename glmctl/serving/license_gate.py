@@ -76,6 +76,7 @@ def evaluate(
     from_env = licenses.accepted_from_env()
     arts = artifacts(profile)
     dirs = [a.path for a in arts if a.path.is_dir()]
+    holders: dict[str, list[Path]] = {}  # licence id -> the artifact directories it applies to
 
     for art in arts:
         ids = list(art.declared)
@@ -95,6 +96,8 @@ def evaluate(
                         gate.unknown.append(f"{art.role} {art.path}: licence '{ident}'")
         for lic_id in dict.fromkeys(ids):
             lic = licenses.get_license(lic_id)
+            if art.path.is_dir():
+                holders.setdefault(lic.id, []).append(art.path)
             if lic not in gate.in_play:
                 gate.in_play.append(lic)
             if profile.usage == "commercial" and not lic.commercial_use:
@@ -123,7 +126,9 @@ def evaluate(
                                                      accepted_at=datetime.now(UTC))
             continue
         rec = licenses.user_store().accept(lic, via)
-        for art_dir in dirs:
+        # Only next to the artifacts under this licence: a record next to an artifact reads as its
+        # own declaration later (the drafter's licence must not become the checkpoint's).
+        for art_dir in dict.fromkeys(holders.get(lic.id, [])):
             licenses.artifact_store(art_dir).accept(lic, via, artifact=art_dir)
         gate.accepted[lic.id] = rec
         gate.recorded.append(lic)

@@ -83,6 +83,23 @@ def test_acceptance_by_flag_is_recorded_and_remembered(tmp_path):
     assert again.ok and again.accepted[NC].via == "flag"
 
 
+def test_an_acceptance_is_recorded_only_beside_the_artifacts_under_that_licence(tmp_path):
+    """The drafter's licence must not be recorded next to the checkpoint: a record beside an
+    artifact reads as the artifact's own declaration, so the same checkpoint would then be refused
+    by every commercial profile (seen in CI: the DFlash2 serving test marked the tiny checkpoint)."""
+    model, drafter = tmp_path / "m", tmp_path / "d"
+    model.mkdir()
+    drafter.mkdir()
+    prof = render.with_paths(profiles.load("noncommercial"), model=model, drafter=drafter)
+    declared = {lic_id: [a.role for a in license_gate.artifacts(prof) if lic_id in a.declared] for lic_id in (NC, SHAPLEY)}
+    gate = license_gate.evaluate(prof, accept=[NC, SHAPLEY])
+    assert gate.ok
+    assert NC in licenses.artifact_license_ids(drafter)
+    assert NC not in licenses.artifact_license_ids(model), declared
+    commercial = render.with_paths(profiles.load("latency"), model=model)
+    assert not any("forbids commercial use" in r for r in license_gate.evaluate(commercial, accept=[SHAPLEY]).refusals)
+
+
 def test_acceptance_by_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(licenses.ACCEPT_ENV, f"{NC}, {SHAPLEY}")
     prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
