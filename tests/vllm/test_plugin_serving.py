@@ -85,8 +85,9 @@ GREEDY_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
-    """transformers' logprobs of every prompt token (fp32 and bf16), its fp32 greedy path, and
-    at each greedy step the top-1 margin in fp32 and how much bf16 moves that margin."""
+    """transformers' logprobs of every prompt token (fp32 and bf16) and at every position the fp32
+    routing gap (`routing_gap`: the smallest, over the MoE layers, score gap between the last
+    expert chosen and the first one left out)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -94,36 +95,48 @@ def reference(tiny_checkpoint):
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint.path)
     ids = {name: tok(text)["input_ids"] for name, text in PARITY_PROMPTS.items()}
-    out = {"ids": ids, "float32": {}, "bfloat16": {}, "greedy": {}}
-    paths: dict[str, list[int]] = {}
-    step_lp: dict[str, dict[str, torch.Tensor]] = {"float32": {}, "bfloat16": {}}
+    out = {"ids": ids, "float32": {}, "bfloat16": {}, "routing_gap": {}}
     for dtype in ("float32", "bfloat16"):
         model = load_transformers_model(tiny_checkpoint.path, dtype=dtype).model
+        gaps: list[torch.Tensor] = []
+        if dtype == "float32":
+            for module in model.modules():
+                if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
+                    module.register_forward_hook(lambda mod, _inp, res, into=gaps: into.append(_routing_gap(mod, res[0])))
         for name, seq in ids.items():
-            if dtype == "float32":  # greedy continuation
-                path = list(seq)
-                for _ in range(GREEDY_TOKENS):
-                    with torch.no_grad():
-                        path.append(int(model(input_ids=torch.tensor([path])).logits[0, -1].argmax()))
-                paths[name] = path
-            x = torch.tensor([paths[name]])
+            x = torch.tensor([seq])
+            gaps.clear()
             with torch.no_grad():
                 lp = torch.log_softmax(model(input_ids=x).logits[0].float(), -1)
-            n = len(seq)
-            out[dtype][name] = lp[: n - 1].gather(1, x[0, 1:n, None])[:, 0]
-            step_lp[dtype][name] = lp[n - 1 : n - 1 + GREEDY_TOKENS]
+            if dtype == "float32":
+                out["routing_gap"][name] = torch.stack(gaps).min(dim=0).values.numpy()
+            out[dtype][name] = lp[:-1].gather(1, x[0, 1:, None])[:, 0]
         del model
-    for name, seq in ids.items():
-        tokens = paths[name][len(seq):]
-        lp32, lp16 = step_lp["float32"][name], step_lp["bfloat16"][name]
-        steps = []
-        for t, want in enumerate(tokens):
-            runner_up = int(lp32[t].topk(2).indices[1])
-            margin32 = float(lp32[t, want] - lp32[t, runner_up])
-            margin16 = float(lp16[t, want] - lp16[t, runner_up])
-            steps.append((want, margin32, abs(margin16 - margin32)))
-        out["greedy"][name] = steps
     return out
+
+
+# Two experts whose fp32 routing scores lie closer than this may swap under bf16 hidden states
+# (measured on the tiny model: ~0.6% relative hidden-state error moves sigmoid scores by up to
+# ~0.0025 each way), and one swapped expert moves that token's logprobs by up to ~1 nat. On this
+# random model about a third of positions have such a near-tie in some MoE layer; which of them
+# swap depends on bf16 rounding details (vLLM's AVX2 and AVX-512 builds differ), so those
+# positions are judged only in the pooled figures.
+ROUTING_TIE = 0.006
+
+
+def _routing_gap(router, logits):
+    """Per token: score of the k-th chosen expert minus the best expert left out (fp32)."""
+    import torch
+
+    scores = logits.float().sigmoid() + router.e_score_correction_bias.float()
+    groups = getattr(router, "num_group", 1) or 1
+    if groups > 1:
+        per_group = scores.view(scores.shape[0], groups, -1)
+        kept = per_group.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
+        mask = torch.zeros(scores.shape[0], groups, dtype=torch.bool).scatter_(1, kept, True)
+        scores = scores.masked_fill(~mask.repeat_interleave(per_group.shape[-1], dim=1), float("-inf"))
+    top = scores.topk(router.top_k + 1, dim=-1).values
+    return top[:, router.top_k - 1] - top[:, router.top_k]
 
 
 def test_prompt_logprobs_match_transformers_within_its_own_bf16_spread(server, reference):
@@ -153,36 +166,60 @@ def test_prompt_logprobs_match_transformers_within_its_own_bf16_spread(server, r
     # transformers' own bf16-vs-fp32 noise floor.
     assert diff.mean() <= 1.5 * spread.mean() + 1e-3, (diff.mean(), spread.mean())
     assert np.quantile(diff, 0.99) <= 1.5 * np.quantile(spread, 0.99) + 1e-2
-    for name, _n, dmean, _dmax, smean, _smax, corr in rows:
+    for (name, _n, _dmean, _dmax, smean, _smax, corr), served, fp32 in zip(rows, served_all, fp32_all,
+                                                                          strict=True):
+        # per prompt, at the positions whose routing is decisive (see ROUTING_TIE)
+        decisive = reference["routing_gap"][name][: len(fp32)] >= ROUTING_TIE
+        assert decisive.sum() >= len(fp32) // 2, (name, int(decisive.sum()), len(fp32))
+        dmean = float(np.abs(served - fp32)[decisive].mean())
+        print(f"{name}: {int(decisive.sum())} of {len(fp32)} positions route decisively, mean|d| there {dmean:.4f}")
         assert dmean <= 2 * smean + 5e-3, name
         assert corr > 0.99, name
 
 
-def test_greedy_continuations_match_where_the_reference_is_decisive(server, reference):
-    """The served greedy path follows transformers' fp32 greedy path at every step where the
-    reference's top-1 margin exceeds its own fp32-vs-bf16 spread (the 99th percentile of the
-    prompt-logprob differences above: on this random tiny model single bf16 logprobs move by up
-    to ~1 nat). At a near-tie the paths may part; nothing after that is compared."""
+def test_greedy_continuations_match_where_the_reference_is_decisive(server, reference, tiny_checkpoint):
+    """Every token of the served greedy path is transformers' fp32 greedy choice for the served
+    prefix (teacher-forced, so one near-tie does not end the comparison), within the reference's
+    own fp32-vs-bf16 spread (the 99th percentile of the prompt-logprob differences above: on
+    this random tiny model single bf16 logprobs move by up to ~1 nat), at every step whose
+    routing is decisive by twice ROUTING_TIE (a step's hidden state also carries, through
+    attention, the perturbation of every earlier position whose experts swapped)."""
     import numpy as np
+    import torch
+
+    from glmctl.testing.hf_reference import load_transformers_model
 
     spread = float(np.quantile(np.concatenate([
         np.abs(reference["bfloat16"][n] - reference["float32"][n]).numpy() for n in reference["ids"]
     ]), 0.99))
-    decisive_total = 0
+    model = load_transformers_model(tiny_checkpoint.path, dtype="float32").model
+    gaps: list[torch.Tensor] = []
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
+            module.register_forward_hook(lambda mod, _inp, res, into=gaps: into.append(_routing_gap(mod, res[0])))
+    checked_total = argmax_total = 0
     for name, seq in reference["ids"].items():
         served = served_token_ids(server, seq, GREEDY_TOKENS)
-        decisive = same = 0
-        for (want, margin, _shift), got in zip(reference["greedy"][name], served, strict=False):
-            if got != want:
-                assert margin <= spread, (name, same, want, got, margin, spread)
-                break
-            same += 1
-            decisive += margin > spread
-        margins = " ".join(f"{m:.2f}" for _, m, _ in reference["greedy"][name])
-        print(f"{name}: same path for {same} tokens, {decisive} of them decisive "
-              f"(spread {spread:.2f}; margins {margins})")
-        decisive_total += decisive
-    assert decisive_total >= 3
+        assert len(served) == GREEDY_TOKENS, name
+        gaps.clear()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([seq + served])).logits[0].float(), -1)
+        gap = torch.stack(gaps).min(dim=0).values
+        shortfalls = []
+        for step, got in enumerate(served):
+            pos = len(seq) - 1 + step
+            shortfall = float(lp[pos].max() - lp[pos, got])
+            shortfalls.append(shortfall)
+            if float(gap[pos]) < 2 * ROUTING_TIE:
+                continue
+            assert shortfall <= spread, (name, step, got, shortfall, spread)
+            checked_total += 1
+            argmax_total += shortfall == 0.0
+        print(f"{name}: fp32 shortfall of each served token (spread {spread:.2f}): "
+              + " ".join(f"{x:.2f}" for x in shortfalls))
+    # enough steps judged, and most of them transformers' own greedy choice exactly
+    assert checked_total >= GREEDY_TOKENS, checked_total
+    assert argmax_total >= 0.75 * checked_total, (argmax_total, checked_total)
 
 
 def served_token_ids(server, prompt_ids: list[int], n: int) -> list[int]:
