@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -29,7 +28,6 @@ UrlOpt = Annotated[
     str | None,
     typer.Option("--url", help="Base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000."),
 ]
-OutDirOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Where to write results.")]
 ApiKeyOpt = Annotated[
     str | None,
     typer.Option("--api-key", show_default=False, metavar="KEY",

@@ -49,7 +49,6 @@ from functools import cache
 import torch
 
 from glmctl.plugin.exl3_decode import TritonDecode, decode_path_from_env, pick_decode_path
-from glmctl.quantize.exl3_format import MUL1_MARKER
 
 FP16_SAFE = 65280.0  # the largest bf16 value that fp16 can hold (fp16 max 65504 rounds up in bf16)
 FUSED_ROWS = 256  # rows per expert in the fused kernel's buffers (its 64-row tiles reach 256)
@@ -404,7 +403,3 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         a = swiglu(xe @ w_gate[e].float(), xe @ w_up[e].float(), act_limit or 0.0)
         out.index_add_(0, tok, (a @ w_down[e].float()) * topk_weights[tok, slot].float().unsqueeze(1))
     return out
-
-
-def marker_ok(marker: torch.Tensor) -> bool:
-    return marker.numel() == 1 and int(marker.reshape(()).item()) == MUL1_MARKER
