@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from glmctl import switches
 from glmctl._cli.output import Output
 from glmctl.errors import GlmctlError, UsageError
 from glmctl.hub import download as dl
@@ -95,8 +96,8 @@ class FetchResult(BaseModel):
 
 
 def models_dir() -> Path:
-    if env := os.environ.get("GLMCTL_MODELS"):
-        return Path(env)
+    if env := switches.read("GLMCTL_MODELS"):
+        return env
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "glmctl" / "models"
 

@@ -25,10 +25,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from glmctl import paths
+from glmctl import paths, switches
 from glmctl.errors import ConfigError
 
-ACCEPT_ENV = "GLMCTL_ACCEPT_LICENSES"  # comma-separated licence ids, same effect as --accept-license
 ARTIFACT_DIR = ".glmctl"  # the per-artifact metadata folder (shared with glmctl fetch's manifest)
 
 # Licence identifiers as Hugging Face model cards and SPDX spell them that are known to allow
@@ -188,9 +187,8 @@ def artifact_store(artifact_dir: Path) -> LicenseStore:
 def accepted_from_env() -> set[str]:
     """Licence ids accepted through GLMCTL_ACCEPT_LICENSES (resolved to catalogue ids)."""
     ids = set()
-    for item in os.environ.get(ACCEPT_ENV, "").split(","):
-        if item.strip():
-            ids.add(get_license(item).id)
+    for item in switches.read("GLMCTL_ACCEPT_LICENSES"):
+        ids.add(get_license(item).id)
     return ids
 
 

@@ -22,7 +22,7 @@ from glmctl.plan.setup import WEIGHT_GROUPS, ServingSetup
 from glmctl.plan.weights import dflash_drafter_bytes, mtp_drafter_bytes, weight_groups
 
 GIB = 1 << 30
-GLMCTL_DEFAULT_MAX_MODEL_LEN = 262_144  # glmctl's target context; vLLM would use the model's 1M
+DEFAULT_MAX_MODEL_LEN = 262_144  # glmctl's target context; vLLM would use the model's 1M
 
 
 class MemoryLine(BaseModel):
@@ -122,7 +122,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
     num_spec = spec.num_tokens
     mtp_layers = model.num_nextn_predict_layers if spec.method == "mtp" else 0
     cuda = node.platform == "cuda"
-    max_model_len = setup.max_model_len or min(GLMCTL_DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
+    max_model_len = setup.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
     max_num_seqs = setup.max_num_seqs or (256 if cuda else 128)
     batched = setup.max_num_batched_tokens or _default_batched_tokens(node, max_model_len)
     prefix_caching = cuda if setup.enable_prefix_caching is None else setup.enable_prefix_caching

@@ -48,6 +48,7 @@ from functools import cache
 
 import torch
 
+from glmctl import switches
 from glmctl.plugin.exl3_decode import TritonDecode, decode_path_from_env, pick_decode_path
 
 FP16_SAFE = 65280.0  # the largest bf16 value that fp16 can hold (fp16 max 65504 rounds up in bf16)
@@ -56,7 +57,6 @@ TIERS = ((1, 16, 16), (17, 32, 32), (33, FUSED_ROWS, 64))  # (rows from, rows to
 COOP_SLOTS = 256  # exl3_moe_coop's scratch bound (MAX_SLOTS, exl3_moe_coop_kernel.cuh): T * top-k
 COOP_CALLS = 2  # up to this many coop calls per batch (64 tokens at top-8) before exl3_moe takes over
 HEAVY_GROUP_BYTES = 512 * 2**20  # fp16 weights reconstructed at once for heavy experts
-PREFILL_ENV = "GLMCTL_EXL3_PREFILL"  # "recon" (default): heavy experts reconstructed; "chunk": slices
 
 
 @cache
@@ -193,7 +193,7 @@ class Exl3MoE:
         self._tables = [*gate.pointers(), *up.pointers(), *down.pointers()]
         self._buffers = _shared_buffers(self.device, self.hidden, self.intermediate)
         self.fp16_clamped = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.prefill_mode = os.environ.get(PREFILL_ENV, "recon")
+        self.prefill_mode = switches.read("GLMCTL_EXL3_PREFILL")  # recon: heavy experts rebuilt; chunk: slices
         self.decode_kernel = decode_path_from_env()  # glmctl.plugin.exl3_decode: paths and the auto rule
         self._triton = (TritonDecode(gate, up, down, self.act_limit)
                         if TritonDecode.supports(self.bits, self.hidden, self.intermediate) else None)

@@ -17,10 +17,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-ENV_MODE = "GLMCTL_PLUGIN"
-# Set by the process that saw a GLM-5.3-Flash config, inherited by the engine and worker
-# processes vLLM spawns afterwards, so they activate before the model is built.
-ENV_ACTIVE = "GLMCTL_PLUGIN_ACTIVE"
+from glmctl import switches
 
 GLM5_NEXT_MODEL_TYPES = frozenset({"glm5_next", "glm5_next_text", "glm5_next_mtp"})
 GLM5_NEXT_ARCHITECTURES = frozenset(
@@ -35,15 +32,8 @@ class PluginMode(enum.StrEnum):
 
     @classmethod
     def parse(cls, raw: str | None) -> PluginMode:
-        value = (raw or "auto").strip().lower()
-        aliases = {"1": "on", "true": "on", "0": "off", "false": "off", "": "auto"}
-        value = aliases.get(value, value)
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"{ENV_MODE}={raw!r} is not one of auto, on, off"
-            ) from None
+        """The value of GLMCTL_PLUGIN (None: unset); `switches.SwitchError` names a bad one."""
+        return cls(switches.parse("GLMCTL_PLUGIN", raw))
 
 
 @dataclass(frozen=True)
@@ -74,7 +64,7 @@ class PlatformDecision:
 
 def decide_platform(mode: PluginMode, platform: PlatformFacts) -> PlatformDecision:
     if mode is PluginMode.OFF:
-        return PlatformDecision(False, f"{ENV_MODE}=off")
+        return PlatformDecision(False, "GLMCTL_PLUGIN=off")
     if platform.kind == "cpu":
         return PlatformDecision(True, "vLLM's CPU platform has no GLM-5.3-Flash path", Target.TORCH)
     if platform.kind == "cuda":
@@ -85,9 +75,9 @@ def decide_platform(mode: PluginMode, platform: PlatformFacts) -> PlatformDecisi
                 Target.TRITON,
             )
         if mode is PluginMode.ON:
-            return PlatformDecision(True, f"{ENV_MODE}=on ({platform.label})", Target.TRITON)
+            return PlatformDecision(True, f"GLMCTL_PLUGIN=on ({platform.label})", Target.TRITON)
         return PlatformDecision(
-            False, f"{platform.label} is served by vLLM's own kernels (set {ENV_MODE}=on to use ours)"
+            False, f"{platform.label} is served by vLLM's own kernels (set GLMCTL_PLUGIN=on to use ours)"
         )
     return PlatformDecision(False, f"platform {platform.label} is not supported by glmctl")
 
@@ -163,9 +153,6 @@ def num_speculative_tokens(vllm_config) -> int:
     return int(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
 
 
-ENV_MHC = "GLMCTL_MHC"
-
-
 class MhcPath(enum.StrEnum):
     """Which implementation runs vLLM's mHC ops (pre, fused post+pre, post, delayed pre, head)."""
 
@@ -183,17 +170,15 @@ def decide_mhc_path(raw: str | None, target: Target, capability: tuple[int, int]
     glmctl's Triton kernels on sm_8x and wherever tilelang is not importable: vLLM 0.30 calls
     tilelang unconditionally on CUDA, so without it the engine dies in its first forward.
     """
-    value = (raw or "auto").strip().lower()
-    if value not in ("auto", *MhcPath):
-        raise ValueError(f"{ENV_MHC}={raw!r} is not one of auto, tilelang, triton, torch")
+    value = switches.parse("GLMCTL_MHC", raw)
     if target is Target.TORCH:
         return MhcPath.TORCH, "vLLM's CPU platform"
     if value != "auto":
         path = MhcPath(value)
         if path is MhcPath.TILELANG and not tilelang_present:
-            raise ValueError(f"{ENV_MHC}=tilelang but tilelang is not importable "
-                             f"(pip install tilelang, or use {ENV_MHC}=triton)")
-        return path, f"{ENV_MHC}={value}"
+            raise ValueError("GLMCTL_MHC=tilelang but tilelang is not importable "
+                             "(pip install tilelang, or use GLMCTL_MHC=triton)")
+        return path, f"GLMCTL_MHC={value}"
     if not tilelang_present:
         return MhcPath.TRITON, "tilelang is not importable"
     if capability is not None and capability[0] < 9:

@@ -241,7 +241,7 @@ def render(
         config["compilation-config"] = compilation
     config.update(passthrough)
 
-    env = {**profile.env, **plugin_switches.switches(profile)}
+    env = {**profile.env, **plugin_switches.profile_switches(profile)}
     return RenderedLaunch(
         profile=profile, config=config, env=env, host=host, port=port, served_name=served,
         notices=profile_licenses(profile),

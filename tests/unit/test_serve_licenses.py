@@ -101,7 +101,7 @@ def test_an_acceptance_is_recorded_only_beside_the_artifacts_under_that_licence(
 
 
 def test_acceptance_by_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(licenses.ACCEPT_ENV, f"{NC}, {SHAPLEY}")
+    monkeypatch.setenv("GLMCTL_ACCEPT_LICENSES", f"{NC}, {SHAPLEY}")
     prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
     gate = license_gate.evaluate(prof)
     assert gate.ok and gate.accepted[NC].via == "env"
@@ -123,7 +123,7 @@ def test_commercial_refuses_a_noncommercial_drafter_whatever_else_is_set(tmp_pat
         f"extends: commercial\nspeculative:\n  method: dflash2\n  tokens: 5\n  drafter:\n    licenses: [{NC}]\n"
     )
     licenses.user_store().accept(licenses.get_license(NC), "flag")  # even with a record
-    monkeypatch.setenv(licenses.ACCEPT_ENV, NC)  # and the environment
+    monkeypatch.setenv("GLMCTL_ACCEPT_LICENSES", NC)  # and the environment
     launch = _launch("sneaky", tmp_path, model=tmp_path / "m", drafter=tmp_path / "d")
     with pytest.raises(LicenseError, match="forbids commercial use"):
         preflight.run(launch, accept=[NC, SHAPLEY], confirm=lambda lic: True)
