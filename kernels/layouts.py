@@ -70,7 +70,8 @@ multiple of 128 columns (2176) with -1. Sparse MLA reads flat row indices (see a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -91,6 +92,47 @@ KV_BF16 = "bf16"
 KV_FP8 = "fp8"
 KV_FP8_DS_MLA = "fp8_ds_mla"
 
+# The --kv-cache-dtype values glmctl plans, serves and writes, in vLLM's spelling ("auto": the
+# model's dtype, bf16 for GLM-5.3-Flash); other spellings of the same layouts: vLLM's fp8_e4m3
+# and bf16 (glmctl's shorthand, which vLLM does not take).
+KvCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_ds_mla"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """An MLA latent-cache layout: bytes of one stored latent value and of one token's row (per
+    MLA layer)."""
+
+    name: str
+    value_bytes: int
+    row_bytes: int
+
+
+KV_FORMATS = {
+    KV_BF16: KvFormat(KV_BF16, 2, 2 * LATENT_DIM),
+    KV_FP8: KvFormat(KV_FP8, 1, FP8_ROW_BYTES),
+    KV_FP8_DS_MLA: KvFormat(KV_FP8_DS_MLA, 1, FP8_DS_MLA_ROW_BYTES),
+}
+_FORMAT_OF_DTYPE = {"auto": KV_BF16, "bfloat16": KV_BF16, "fp8": KV_FP8, "fp8_ds_mla": KV_FP8_DS_MLA}
+
+
+def normalise_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """A --kv-cache-dtype value in vLLM's spelling (`KV_CACHE_DTYPES`); ValueError for one glmctl
+    has no layout for."""
+    value = kv_cache_dtype.strip().lower()
+    value = KV_CACHE_DTYPE_ALIASES.get(value, value)
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)} "
+                         f"(or {', '.join(KV_CACHE_DTYPE_ALIASES)})")
+    return value
+
+
+def kv_format(kv_cache_dtype: str) -> KvFormat:
+    """The layout vLLM allocates for a ``--kv-cache-dtype`` value (after vLLM's own mapping)."""
+    return KV_FORMATS[_FORMAT_OF_DTYPE[normalise_kv_cache_dtype(kv_cache_dtype)]]
+
 
 def mla_kv_format(kv_cache: torch.Tensor) -> str:
     """Which latent-cache layout a vLLM MLA cache tensor holds (from its dtype and row width)."""
@@ -107,18 +149,6 @@ def mla_kv_format(kv_cache: torch.Tensor) -> str:
         f"unsupported MLA cache: dtype {kv_cache.dtype}, row width {width} (expected bf16 x "
         f"{LATENT_DIM}, uint8/float8_e4m3fn x {FP8_ROW_BYTES} or uint8 x {FP8_DS_MLA_ROW_BYTES})"
     )
-
-
-def kv_format_of_cache_dtype(kv_cache_dtype: str) -> str:
-    """The layout vLLM allocates for a ``--kv-cache-dtype`` value (after vLLM's own mapping)."""
-    if kv_cache_dtype in ("auto", "bfloat16", "bf16"):
-        return KV_BF16
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return KV_FP8
-    if kv_cache_dtype == "fp8_ds_mla":
-        return KV_FP8_DS_MLA
-    raise ValueError(f"no sparse-MLA cache layout for --kv-cache-dtype {kv_cache_dtype!r} "
-                     f"(supported: auto/bfloat16, fp8/fp8_e4m3, fp8_ds_mla)")
 
 
 def require_kv_scale(kv_format: str, kv_scale):

@@ -126,7 +126,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
     max_num_seqs = setup.max_num_seqs or (256 if cuda else 128)
     batched = setup.max_num_batched_tokens or _default_batched_tokens(node, max_model_len)
     prefix_caching = cuda if setup.enable_prefix_caching is None else setup.enable_prefix_caching
-    kv_dtype = {"bf16": "bfloat16"}.get(setup.kv_cache_dtype, setup.kv_cache_dtype)
+    kv_dtype = setup.kv_cache_dtype
     graphs: list[int] = []
     if cuda and not setup.enforce_eager:
         graphs = ([s for s in setup.cudagraph_capture_sizes if s <= batched] if setup.cudagraph_capture_sizes

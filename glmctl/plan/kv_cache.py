@@ -48,9 +48,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from glmctl.kernels.layouts import KV_FP8_DS_MLA, kv_format
 from glmctl.plan.model import ModelSpec
 
-FP8_DS_MLA_BYTES = 656  # vLLM's fixed fp8_ds_mla record per token (mla_attention.py)
 MLA_MIN_BLOCK_ALIGNMENT = 128  # hybrid MLA/mamba: manager block a multiple of 128 (interface.py)
 PAGED_MQA_MIN_PAGE = 32  # min(PAGED_MQA_PAGE_SIZES) (utils/deep_gemm.py)
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -102,15 +102,16 @@ class KvCacheLayout(BaseModel):
 
 def mla_bytes_per_token(model: ModelSpec, kv_cache_dtype: str) -> int:
     """Bytes one MLA layer stores per token (MLAAttentionSpec page / block_size)."""
-    if kv_cache_dtype == "fp8_ds_mla":
-        return FP8_DS_MLA_BYTES
+    layout = kv_format(kv_cache_dtype)
+    if layout.name == KV_FP8_DS_MLA:
+        return layout.row_bytes  # vLLM's fixed record (mla_attention.py), whatever the model's rank
     return model.mla_head_size * _cache_dtype_bytes(model, kv_cache_dtype)
 
 
 def _cache_dtype_bytes(model: ModelSpec, kv_cache_dtype: str) -> int:
     if kv_cache_dtype == "auto":
         return _DTYPE_BYTES.get(model.dtype, 2)
-    return 2 if kv_cache_dtype in ("bf16", "bfloat16") else 1  # fp8 variants store uint8
+    return kv_format(kv_cache_dtype).value_bytes
 
 
 def indexer_state_bytes(model: ModelSpec) -> int:

@@ -32,9 +32,6 @@ class CapacityVerdict:
     """The nearest setting that fits, when the profile does not."""
 
 
-_KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8"}
-
-
 def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None):
     prof, args = launch.profile, launch.profile.vllm_args
     spec = plan.Speculative()
@@ -50,7 +47,7 @@ def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None
         # on vLLM CPU the plugin holds FP8 attention dequantised (no block-FP8 GEMM there)
         weights=plan.WeightFormats.for_checkpoint(
             _checkpoint_quant(prof, model), fp8_attention=model.fp8_attention if prof.platform != "cpu" else ()),
-        kv_cache_dtype=_KV_DTYPES[prof.kv_cache_dtype],
+        kv_cache_dtype=prof.kv_cache_dtype,
         speculative=spec,
         max_model_len=max_model_len or prof.max_model_len,
         max_num_seqs=prof.max_num_seqs,
