@@ -14,7 +14,6 @@ The plugin acts in two stages, because vLLM loads general plugins before it know
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 from glmctl import switches
@@ -100,52 +99,6 @@ def model_is_glm5_next(vllm_config) -> bool:
     return is_glm5_next(getattr(text_config, "model_type", None), architectures) or is_glm5_next(
         getattr(hf_config, "model_type", None), architectures
     )
-
-
-def kpool_tail_ring(index_kpool: int, num_speculative_tokens: int = 0) -> int:
-    """Slots of a request's kpool tail ring: one pool (vLLM's), or ``kpool + drafts - 1`` with MTP.
-
-    A verify step writes the ring at positions ``f .. f + s`` (``f``: the first unverified
-    position, ``s``: draft tokens), position ``p`` at slot ``p % ring``, so a write at ``q``
-    replaces position ``q - ring``. When a draft at or before a pool boundary is rejected, a
-    later step completes that pool again and needs its accepted tokens, which start as early as
-    ``f + 2 - kpool``; so ``f + s - ring < f + 2 - kpool``: ``ring >= kpool + s - 1``. vLLM's
-    one-pool ring is safe for ``s <= 1`` only: with more drafts, a rejected draft past the
-    boundary overwrites an accepted token of the pool, which is then compressed from the wrong
-    key (a silent change of the sparse selection; measured on the tiny checkpoint).
-    """
-    if not index_kpool or index_kpool <= 1:
-        return index_kpool or 0
-    return index_kpool + max(num_speculative_tokens, 1) - 1
-
-
-def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: int = 128,
-                     num_speculative_tokens: int = 0) -> int:
-    """Smallest KV block size >= `block_size` that vLLM's kpool indexer caches accept.
-
-    vLLM stores one indexer entry (head_dim fp8 values + a 4-byte scale) per `index_kpool`
-    tokens and splits each block's entries into pages of 32, so the block must be a multiple of
-    32 * index_kpool (`Glm5NextIndexerCache` asserts it). vLLM also pads the tail cache's page
-    (raw bf16 key + gate of the tail ring: 2 * ring * head_dim * 2 bytes, `kpool_tail_ring`) to
-    the indexer page, so the indexer page must be at least that large.
-    """
-    if not index_kpool or index_kpool <= 1:
-        return block_size
-    unit = 32 * index_kpool
-    tail_page = 2 * kpool_tail_ring(index_kpool, num_speculative_tokens) * index_head_dim * 2
-    size = max(unit, -(-block_size // unit) * unit)
-    while (size // index_kpool) * (index_head_dim + 4) < tail_page:
-        size += unit
-    return size
-
-
-def kpool_indexer_alignment(index_kpool: int, index_head_dim: int = 128, num_speculative_tokens: int = 0,
-                            stock_alignment: int | None = None) -> int:
-    """The block-size multiple the plugin reports to vLLM's hybrid block sizing
-    (`Platform._get_indexer_block_alignment`): `kpool_block_size(1, ...)` (the 32 * kpool page
-    rule plus room for the tail ring in one indexer page), combined with the platform's own
-    multiple (`stock_alignment`; CUDA: 32 * kpool, CPU: none) so that both divide the result."""
-    return math.lcm(kpool_block_size(1, index_kpool, index_head_dim, num_speculative_tokens), stock_alignment or 1)
 
 
 def num_speculative_tokens(vllm_config) -> int:

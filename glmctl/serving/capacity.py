@@ -82,7 +82,7 @@ def _plugin_block_size(profile: Profile, model: ModelSpec) -> int | None:
     indexer's rule); plan with what it will pick. On CUDA vLLM's own rules apply (planner)."""
     if profile.platform != "cpu":
         return None
-    from glmctl.plugin.policy import kpool_block_size
+    from glmctl.kernels.layouts import kpool_block_size
 
     cpu_mla_block_size = 16
     return kpool_block_size(cpu_mla_block_size, model.index_kpool, model.index_head_dim)
