@@ -122,3 +122,27 @@ def test_glmctl_has_no_import_circles():
     found = circles(import_graph())
     assert found == [], "import circles (break each: move the shared piece below both sides):\n" + \
         "\n".join(" <-> ".join(c) for c in found)
+
+
+CLI = ("glmctl.app", "glmctl._cli", "glmctl.commands", "glmctl.__main__")
+
+
+def _is_under(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_libraries_do_not_import_the_cli():
+    """Libraries speak through callbacks (`glmctl.feedback`), never through the CLI's Output."""
+    graph = import_graph()
+    found = sorted(f"{m} -> {t}" for m, targets in graph.items() if not _is_under(m, CLI)
+                   for t in targets if _is_under(t, CLI))
+    assert found == [], "a library imports the CLI:\n" + "\n".join(found)
+
+
+def test_the_planner_and_serving_read_no_plugin_policy():
+    """The KV layout rules both sides use live below both (`glmctl.kernels.layouts`)."""
+    graph = import_graph()
+    found = sorted(f"{m} -> {t}" for m, targets in graph.items()
+                   if _is_under(m, ("glmctl.plan", "glmctl.serving")) for t in targets
+                   if t == "glmctl.plugin.policy")
+    assert found == [], "\n".join(found)
