@@ -13,6 +13,7 @@ import math
 from pydantic import BaseModel
 
 from glmctl.errors import UsageError
+from glmctl.kernels.layouts import KV_FORMATS, KV_FP8, KV_FP8_DS_MLA, kv_format
 from glmctl.plan.drafter_kv import DrafterKv, capacity_with_drafter, drafter_kv
 from glmctl.plan.kv_cache import KvCacheLayout, kv_cache_layout, kv_capacity
 from glmctl.plan.model import ModelSpec
@@ -218,9 +219,10 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
                      "(the plan is for text serving)")
     if model.defaulted:
         notes.append(f"{model.source} leaves out {', '.join(model.defaulted)}: transformers' defaults were used")
-    if kv_dtype == "fp8_ds_mla":
-        notes.append("fp8_ds_mla stores 656 bytes per token (vLLM's DeepSeek record with a 64-dim RoPE part "
-                     "this NoPE model does not have); --kv-cache-dtype fp8 stores 512")
+    if kv_format(kv_dtype).name == KV_FP8_DS_MLA:
+        notes.append(f"fp8_ds_mla stores {KV_FORMATS[KV_FP8_DS_MLA].row_bytes} bytes per token (vLLM's DeepSeek "
+                     "record with a 64-dim RoPE part this NoPE model does not have); --kv-cache-dtype fp8 stores "
+                     f"{KV_FORMATS[KV_FP8].row_bytes}")
     return CapacityPlan(
         model=model.name,
         model_source=model.source,
