@@ -12,17 +12,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from glmctl import switches
+
 
 def home() -> Path:
-    if env := os.environ.get("GLMCTL_HOME"):
-        return Path(env)
+    if env := switches.read("GLMCTL_HOME"):
+        return env
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "glmctl"
 
 
 def cache() -> Path:
-    if env := os.environ.get("GLMCTL_CACHE"):
-        return Path(env)
+    if env := switches.read("GLMCTL_CACHE"):
+        return env
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "glmctl"
 

@@ -3,7 +3,7 @@
 ``kpool_decode_update(kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions,
 kpool)``: the contract of :func:`kpool_cache_write.kpool_decode_update_ref`. vLLM's own kernel
 (``kpool_decode_update_and_maybe_write_cache_batched``) assumes a ring of exactly one pool; with
-MTP the plugin gives the ring ``kpool + drafts - 1`` slots (``policy.kpool_tail_ring``: a
+MTP the plugin gives the ring ``kpool + drafts - 1`` slots (``layouts.kpool_tail_ring``: a
 rejected draft past a pool boundary must not overwrite an accepted token of the pool), and this
 kernel addresses position ``p`` at ring slot ``p % ring`` (``ring = tail_cache.shape[2]``).
 

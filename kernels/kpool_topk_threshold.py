@@ -14,10 +14,11 @@ One program per row, ``n`` complete pools (``n <= select`` rows take the causal 
 3. if ``C <= CAP``: load the candidates, select exactly (:func:`_kth_key`: the ``select``-th
    largest key and how many of the pools equal to it to keep, lowest pools first), and write the
    chosen pools in ascending order, expanded to tokens. Otherwise (a row whose best pools crowd
-   few columns) the row is selected by :mod:`.kpool_topk`'s radix kernel over all its logits:
-   slower, same result.
+   few columns) the row is selected by the radix select of :mod:`.kpool_topk_select` over all
+   its logits: slower, same result.
 
-Keys: logits map to order-preserving integers in ``[0, 2^32)`` (:func:`.kpool_topk._order_key`).
+Keys: logits map to order-preserving integers in ``[0, 2^32)``
+(:func:`.kpool_topk_select._order_key`).
 :func:`_kth_key` is a radix select with 4-bit digits whose 16 bin counts per step are one
 block-wide sum of four int64s holding four 16-bit counters each (cheaper per element than
 ``tl.histogram``'s ballots; it counts at most 65535 keys, so it only sees small sets).
@@ -25,10 +26,27 @@ block-wide sum of four int64s holding four 16-bit counters each (cheaper per ele
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
-from .kpool_topk import ThresholdTopkConfig, _order_key, _select_and_write
+from .kpool_topk_select import _order_key, _select_and_write
+
+
+@dataclass(frozen=True)
+class ThresholdTopkConfig:
+    """The threshold kernel's configuration: ``rows`` x ``cols`` logits per step
+    of its row passes (``cols`` is also its column count), candidate capacity ``cap``,
+    ``num_warps``, and ``t0_steps`` 4-bit digits of the column-maximum bound resolved (8 =
+    exact; fewer = a coarser, lower bound: more candidates, fewer steps)."""
+
+    name: str
+    rows: int = 8
+    cols: int = 512
+    cap: int = 512
+    num_warps: int = 8
+    t0_steps: int = 8
 
 
 @triton.jit

@@ -70,7 +70,9 @@ multiple of 128 columns (2176) with -1. Sparse MLA reads flat row indices (see a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -91,6 +93,95 @@ KV_BF16 = "bf16"
 KV_FP8 = "fp8"
 KV_FP8_DS_MLA = "fp8_ds_mla"
 
+# The --kv-cache-dtype values glmctl plans, serves and writes, in vLLM's spelling ("auto": the
+# model's dtype, bf16 for GLM-5.3-Flash); other spellings of the same layouts: vLLM's fp8_e4m3
+# and bf16 (glmctl's shorthand, which vLLM does not take).
+KvCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_ds_mla"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """An MLA latent-cache layout: bytes of one stored latent value and of one token's row (per
+    MLA layer)."""
+
+    name: str
+    value_bytes: int
+    row_bytes: int
+
+
+KV_FORMATS = {
+    KV_BF16: KvFormat(KV_BF16, 2, 2 * LATENT_DIM),
+    KV_FP8: KvFormat(KV_FP8, 1, FP8_ROW_BYTES),
+    KV_FP8_DS_MLA: KvFormat(KV_FP8_DS_MLA, 1, FP8_DS_MLA_ROW_BYTES),
+}
+_FORMAT_OF_DTYPE = {"auto": KV_BF16, "bfloat16": KV_BF16, "fp8": KV_FP8, "fp8_ds_mla": KV_FP8_DS_MLA}
+
+
+def normalise_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """A --kv-cache-dtype value in vLLM's spelling (`KV_CACHE_DTYPES`); ValueError for one glmctl
+    has no layout for."""
+    value = kv_cache_dtype.strip().lower()
+    value = KV_CACHE_DTYPE_ALIASES.get(value, value)
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)} "
+                         f"(or {', '.join(KV_CACHE_DTYPE_ALIASES)})")
+    return value
+
+
+def kv_format(kv_cache_dtype: str) -> KvFormat:
+    """The layout vLLM allocates for a ``--kv-cache-dtype`` value (after vLLM's own mapping)."""
+    return KV_FORMATS[_FORMAT_OF_DTYPE[normalise_kv_cache_dtype(kv_cache_dtype)]]
+
+
+# The kpool indexer caches' block-size rules (vLLM's `Glm5NextIndexerCache` and tail cache), which
+# the plugin installs in vLLM and the planner predicts with.
+def kpool_tail_ring(index_kpool: int, num_speculative_tokens: int = 0) -> int:
+    """Slots of a request's kpool tail ring: one pool (vLLM's), or ``kpool + drafts - 1`` with MTP.
+
+    A verify step writes the ring at positions ``f .. f + s`` (``f``: the first unverified
+    position, ``s``: draft tokens), position ``p`` at slot ``p % ring``, so a write at ``q``
+    replaces position ``q - ring``. When a draft at or before a pool boundary is rejected, a
+    later step completes that pool again and needs its accepted tokens, which start as early as
+    ``f + 2 - kpool``; so ``f + s - ring < f + 2 - kpool``: ``ring >= kpool + s - 1``. vLLM's
+    one-pool ring is safe for ``s <= 1`` only: with more drafts, a rejected draft past the
+    boundary overwrites an accepted token of the pool, which is then compressed from the wrong
+    key (a silent change of the sparse selection; measured on the tiny checkpoint).
+    """
+    if not index_kpool or index_kpool <= 1:
+        return index_kpool or 0
+    return index_kpool + max(num_speculative_tokens, 1) - 1
+
+
+def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: int = 128,
+                     num_speculative_tokens: int = 0) -> int:
+    """Smallest KV block size >= `block_size` that vLLM's kpool indexer caches accept.
+
+    vLLM stores one indexer entry (head_dim fp8 values + a 4-byte scale) per `index_kpool`
+    tokens and splits each block's entries into pages of 32, so the block must be a multiple of
+    32 * index_kpool (`Glm5NextIndexerCache` asserts it). vLLM also pads the tail cache's page
+    (raw bf16 key + gate of the tail ring: 2 * ring * head_dim * 2 bytes, `kpool_tail_ring`) to
+    the indexer page, so the indexer page must be at least that large.
+    """
+    if not index_kpool or index_kpool <= 1:
+        return block_size
+    unit = 32 * index_kpool
+    tail_page = 2 * kpool_tail_ring(index_kpool, num_speculative_tokens) * index_head_dim * 2
+    size = max(unit, -(-block_size // unit) * unit)
+    while (size // index_kpool) * (index_head_dim + 4) < tail_page:
+        size += unit
+    return size
+
+
+def kpool_indexer_alignment(index_kpool: int, index_head_dim: int = 128, num_speculative_tokens: int = 0,
+                            stock_alignment: int | None = None) -> int:
+    """The block-size multiple the plugin reports to vLLM's hybrid block sizing
+    (`Platform._get_indexer_block_alignment`): `kpool_block_size(1, ...)` (the 32 * kpool page
+    rule plus room for the tail ring in one indexer page), combined with the platform's own
+    multiple (`stock_alignment`; CUDA: 32 * kpool, CPU: none) so that both divide the result."""
+    return math.lcm(kpool_block_size(1, index_kpool, index_head_dim, num_speculative_tokens), stock_alignment or 1)
+
 
 def mla_kv_format(kv_cache: torch.Tensor) -> str:
     """Which latent-cache layout a vLLM MLA cache tensor holds (from its dtype and row width)."""
@@ -107,18 +198,6 @@ def mla_kv_format(kv_cache: torch.Tensor) -> str:
         f"unsupported MLA cache: dtype {kv_cache.dtype}, row width {width} (expected bf16 x "
         f"{LATENT_DIM}, uint8/float8_e4m3fn x {FP8_ROW_BYTES} or uint8 x {FP8_DS_MLA_ROW_BYTES})"
     )
-
-
-def kv_format_of_cache_dtype(kv_cache_dtype: str) -> str:
-    """The layout vLLM allocates for a ``--kv-cache-dtype`` value (after vLLM's own mapping)."""
-    if kv_cache_dtype in ("auto", "bfloat16", "bf16"):
-        return KV_BF16
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return KV_FP8
-    if kv_cache_dtype == "fp8_ds_mla":
-        return KV_FP8_DS_MLA
-    raise ValueError(f"no sparse-MLA cache layout for --kv-cache-dtype {kv_cache_dtype!r} "
-                     f"(supported: auto/bfloat16, fp8/fp8_e4m3, fp8_ds_mla)")
 
 
 def require_kv_scale(kv_format: str, kv_scale):

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Regenerate docs/cli.md from every command's real `--help`, or check that it is current.
+"""Regenerate docs/cli.md from every command's real `--help` and the table of environment variables
+(`glmctl.switches`), or check that it is current.
 
     python scripts/gen_cli_reference.py --write
     python scripts/gen_cli_reference.py --check     # exit 1 when docs/cli.md has drifted
@@ -30,6 +31,7 @@ def render() -> str:
     from typer.main import get_command
     from typer.testing import CliRunner
 
+    from glmctl import switches
     from glmctl.app import app
 
     os.environ["COLUMNS"] = "100"
@@ -45,6 +47,7 @@ def render() -> str:
         result = runner.invoke(app, [*path, "--help"], prog_name="glmctl", color=False, terminal_width=100)
         title = " ".join(["glmctl", *path])
         parts.append(f"\n## `{title}`\n\n```text\n{result.output.rstrip()}\n```\n")
+    parts.append("\n" + switches.markdown_table())
     return "".join(parts)
 
 

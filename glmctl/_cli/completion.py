@@ -32,14 +32,7 @@ def fetch_targets(incomplete: str) -> list[str]:
     return sorted(n for n in artifacts if n.startswith(incomplete))
 
 
-def kv_cache_dtype_names() -> tuple[str, ...]:
-    """The planner's vocabulary (glmctl.plan.setup.KvCacheDtype), the one list of these names."""
-    from typing import get_args
-
-    from glmctl.plan.setup import KvCacheDtype
-
-    return get_args(KvCacheDtype)
-
-
 def kv_cache_dtypes(incomplete: str) -> list[str]:
-    return [d for d in kv_cache_dtype_names() if d.startswith(incomplete)]
+    from glmctl.kernels.layouts import KV_CACHE_DTYPES
+
+    return [d for d in KV_CACHE_DTYPES if d.startswith(incomplete)]

@@ -7,11 +7,11 @@ import sys
 import traceback
 from collections.abc import Callable
 
-DEBUG_ENV = "GLMCTL_DEBUG"
-
 
 def _debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
+    from glmctl import switches
+
+    return switches.read("GLMCTL_DEBUG")
 
 
 def _say(prefix: str, message: str, hint: str | None, offer_traceback: bool = True) -> None:
@@ -25,7 +25,7 @@ def _say(prefix: str, message: str, hint: str | None, offer_traceback: bool = Tr
     if hint:
         err.print(f"[bold]hint:[/bold] {escape(hint)}")
     if offer_traceback and not _debug():  # a usage error is fixed from its sentence, not a traceback
-        err.print(f"[dim](set {DEBUG_ENV}=1 for the traceback)[/dim]")
+        err.print("[dim](set GLMCTL_DEBUG=1 for the traceback)[/dim]")
 
 
 def _exit_now(code: int) -> None:

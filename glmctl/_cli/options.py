@@ -29,7 +29,6 @@ UrlOpt = Annotated[
     str | None,
     typer.Option("--url", help="Base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000."),
 ]
-OutDirOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Where to write results.")]
 ApiKeyOpt = Annotated[
     str | None,
     typer.Option("--api-key", show_default=False, metavar="KEY",
@@ -45,6 +44,24 @@ DeadlineOpt = Annotated[
     float, typer.Option("--deadline", min=0, metavar="SECONDS",
                         help="Seconds the whole command may take, a --profile server's start-up included "
                              "(0: no limit).")
+]
+
+ServedModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Served model name to check (default: the only one served).")
+]
+TokenizerOpt = Annotated[
+    Path | None,
+    typer.Option("--tokenizer", help="Use the HF tokenizer in this checkpoint directory instead of the "
+                                     "server's /tokenize (for servers without it)."),
+]
+BaselineOpt = Annotated[
+    Path | None, typer.Option("--baseline", help="A result file of an earlier run to compare against.")
+]
+CheckpointOpt = Annotated[
+    Path | None, typer.Option("--checkpoint", help="With --profile: the checkpoint directory to serve.")
+]
+AcceptLicenseOpt = Annotated[
+    list[str] | None, typer.Option("--accept-license", help="With --profile: accept this licence id (repeatable).")
 ]
 
 

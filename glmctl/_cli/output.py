@@ -71,6 +71,13 @@ class Output:
         self.err.print(f"[yellow]warning:[/yellow] {escape(message)}" if self.human else f"warning: {message}",
                        markup=self.human)
 
+    def feedback(self, confirm: Callable[[Any], bool] | None = None):
+        """This output as a library's callbacks (`glmctl.feedback.Feedback`); `confirm`: the
+        question to ask, when there is a terminal to ask on."""
+        from glmctl.feedback import Feedback
+
+        return Feedback(note=self.note, warn=self.warn, progress=self.progress, bars=self.human, confirm=confirm)
+
     def result(self, data: Any, render: Callable[[Console], None] | None = None) -> None:
         """Emit the command's result: JSON on stdout, or the human rendering."""
         if self.mode is Mode.json:

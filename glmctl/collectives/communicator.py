@@ -26,12 +26,12 @@ The communicator owns the segment and its registration, the rank's `Staging` (ad
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+from glmctl import switches
 from glmctl.collectives import datapath, kernels
 from glmctl.collectives.calibration import CollectivesCalibration, calibrate, load_calibration
 from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
@@ -68,7 +68,8 @@ DEFAULT_TIMEOUT_S = 5.0
 
 
 def default_timeout_s() -> float:
-    return float(os.environ.get("GLMCTL_COLLECTIVES_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    timeout = switches.read("GLMCTL_COLLECTIVES_TIMEOUT_S")
+    return DEFAULT_TIMEOUT_S if timeout is None else timeout
 
 
 class PinnedSegment:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from glmctl import switches
+
 
 @dataclass
 class RankResult:
@@ -28,7 +30,7 @@ class RankResult:
 
 
 def _rank_main(target, rank, world, session, args, results) -> None:
-    if after := float(os.environ.get("GLMCTL_HARNESS_TRACEBACK_S", "0")):
+    if after := switches.read("GLMCTL_HARNESS_TRACEBACK_S"):
         import faulthandler
 
         faulthandler.dump_traceback_later(after, exit=False)  # where a hung rank is, on stderr

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from glmctl import switches
 from glmctl.collectives.errors import PeerLostError, SegmentError
 
 MAGIC = 0x474C4D43_4F4C4C31  # "GLMCOLL1"
@@ -58,7 +59,7 @@ REASONS = {1: "exited", 2: "stopped making progress", 3: "closed its communicato
 
 
 def shm_dir() -> Path:
-    return Path(os.environ.get("GLMCTL_SHM_DIR", "/dev/shm"))
+    return switches.read("GLMCTL_SHM_DIR")
 
 
 def sanitize_session(session: str) -> str:

@@ -8,21 +8,19 @@ from typing import Annotated
 import typer
 
 from glmctl._cli.options import (
+    AcceptLicenseOpt,
     ApiKeyOpt,
+    BaselineOpt,
+    CheckpointOpt,
     DeadlineOpt,
     JsonOpt,
     ProfileOpt,
     QuietOpt,
+    RequestTimeoutOpt,
+    ServedModelOpt,
+    TokenizerOpt,
     UrlOpt,
     examples,
-)
-from glmctl.commands.eval import (
-    AcceptLicenseOpt,
-    BaselineOpt,
-    CheckpointOpt,
-    ServedModelOpt,
-    TimeoutOpt,
-    TokenizerOpt,
 )
 
 
@@ -45,7 +43,7 @@ def bench(
     poll_interval: Annotated[float, typer.Option(min=0.05, max=60, help="Seconds between /metrics samples.")] = 0.5,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result JSON here (a later --baseline).")] = None,
     baseline: BaselineOpt = None,
-    timeout: TimeoutOpt = 3600.0,
+    timeout: RequestTimeoutOpt = 3600.0,
     deadline: DeadlineOpt = 43_200.0,
     api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,

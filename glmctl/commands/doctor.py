@@ -35,7 +35,7 @@ def doctor(
         from glmctl.evals.results import check_writable
 
         check_writable(record, "--record")
-    report = _replayed(replay) if replay is not None else probe_doctor.run(quick=quick, out=out)
+    report = _replayed(replay) if replay is not None else probe_doctor.run(quick=quick, feedback=out.feedback())
     verdict = decide(report, chosen=profile, profiles=probe_doctor.profile_fits(report))
     if record is not None:
         from glmctl.evals.results import write_atomic

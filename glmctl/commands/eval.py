@@ -9,37 +9,25 @@ from typing import Annotated
 import typer
 
 from glmctl._cli.options import (
+    AcceptLicenseOpt,
     ApiKeyOpt,
+    BaselineOpt,
+    CheckpointOpt,
     DeadlineOpt,
     JsonOpt,
     ProfileOpt,
     QuietOpt,
     RequestTimeoutOpt,
+    ServedModelOpt,
+    TokenizerOpt,
     UrlOpt,
     examples,
 )
+from glmctl.commands import eval_humaneval, eval_kld
 
 app = typer.Typer(help="Quality checks against a live server: perplexity, needle in a haystack, KLD, HumanEval.",
                   no_args_is_help=True)
 
-ServedModelOpt = Annotated[
-    str | None, typer.Option("--model", "-m", help="Served model name to check (default: the only one served).")
-]
-TokenizerOpt = Annotated[
-    Path | None,
-    typer.Option("--tokenizer", help="Use the HF tokenizer in this checkpoint directory instead of the "
-                                     "server's /tokenize (for servers without it)."),
-]
-BaselineOpt = Annotated[
-    Path | None, typer.Option("--baseline", help="A result file of an earlier run to compare against.")
-]
-TimeoutOpt = RequestTimeoutOpt
-CheckpointOpt = Annotated[
-    Path | None, typer.Option("--checkpoint", help="With --profile: the checkpoint directory to serve.")
-]
-AcceptLicenseOpt = Annotated[
-    list[str] | None, typer.Option("--accept-license", help="With --profile: accept this licence id (repeatable).")
-]
 
 
 def _template_kwargs(raw: str | None) -> dict | None:
@@ -72,7 +60,7 @@ def perplexity(
     max_tokens: Annotated[int, typer.Option(min=2, help="Score the text's first N tokens.")] = 30_000,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result JSON here (a later --baseline).")] = None,
     baseline: BaselineOpt = None,
-    timeout: TimeoutOpt = 600.0,
+    timeout: RequestTimeoutOpt = 600.0,
     deadline: DeadlineOpt = 7200.0,
     api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
@@ -166,7 +154,7 @@ def needle(
     restart: Annotated[bool, typer.Option(help="Start --out over instead of resuming it.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Plan every cell's prompt and show the layout; ask nothing.")] = False,
     baseline: BaselineOpt = None,
-    timeout: TimeoutOpt = 1800.0,
+    timeout: RequestTimeoutOpt = 1800.0,
     deadline: DeadlineOpt = 43_200.0,
     api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
@@ -270,8 +258,7 @@ needle.epilog = examples(
 app.command(name="perplexity", epilog=perplexity.epilog)(perplexity)
 app.command(name="needle", epilog=needle.epilog)(needle)
 
-# The quality checks beyond perplexity live in modules of their own and reuse the options above.
-from glmctl.commands import eval_humaneval, eval_kld  # noqa: E402
+# The quality checks beyond perplexity live in modules of their own.
 
 app.command(name="kld", epilog=eval_kld.kld.epilog)(eval_kld.kld)
 app.command(name="humaneval", epilog=eval_humaneval.humaneval.epilog)(eval_humaneval.humaneval)

@@ -7,8 +7,15 @@ from typing import Annotated
 
 import typer
 
-from glmctl._cli.options import JsonOpt, QuietOpt, UrlOpt, examples
-from glmctl.commands.eval import BaselineOpt, ServedModelOpt, TimeoutOpt
+from glmctl._cli.options import (
+    BaselineOpt,
+    JsonOpt,
+    QuietOpt,
+    RequestTimeoutOpt,
+    ServedModelOpt,
+    UrlOpt,
+    examples,
+)
 
 
 def humaneval(
@@ -28,7 +35,7 @@ def humaneval(
     out: Annotated[Path, typer.Option("--out", "-o", help="Per-sample results JSONL (resumed if it exists).")] = Path("humaneval.jsonl"),
     restart: Annotated[bool, typer.Option(help="Start --out over instead of resuming it.")] = False,
     baseline: BaselineOpt = None,
-    timeout: TimeoutOpt = 600.0,
+    timeout: RequestTimeoutOpt = 600.0,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

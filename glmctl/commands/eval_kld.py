@@ -7,8 +7,15 @@ from typing import Annotated
 
 import typer
 
-from glmctl._cli.options import JsonOpt, QuietOpt, examples
-from glmctl.commands.eval import BaselineOpt, ServedModelOpt, TimeoutOpt, TokenizerOpt
+from glmctl._cli.options import (
+    BaselineOpt,
+    JsonOpt,
+    QuietOpt,
+    RequestTimeoutOpt,
+    ServedModelOpt,
+    TokenizerOpt,
+    examples,
+)
 
 
 def kld(
@@ -38,7 +45,7 @@ def kld(
     png: Annotated[Path | None, typer.Option(help="Histogram PNG (default: next to --out; needs matplotlib).")] = None,
     restart: Annotated[bool, typer.Option(help="Start --out (and --save-reference) over instead of resuming.")] = False,
     baseline: BaselineOpt = None,
-    timeout: TimeoutOpt = 600.0,
+    timeout: RequestTimeoutOpt = 600.0,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

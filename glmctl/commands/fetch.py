@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -52,7 +53,7 @@ def fetch(
             raise UsageError("--verify DIR checks an existing download; do not also name an artifact",
                              hint=f"glmctl fetch --verify {verify}")
         result = fetching.verify_download(verify, offline=offline, hash_contents=not no_hash, jobs=jobs,
-                                          repair=repair, out=out, timeout=timeout, deadline_s=deadline)
+                                          repair=repair, feedback=out.feedback(), timeout=timeout, deadline_s=deadline)
     else:
         if target is None:
             raise UsageError("name an artifact or a repo id to fetch", hint="glmctl fetch glm-5.3-flash")
@@ -60,10 +61,19 @@ def fetch(
             raise UsageError("--repair and --offline only apply with --verify DIR")
         result = fetching.fetch(target, repo=repo, revision=revision, include=include or [], exclude=exclude or [],
                                 local_dir=local_dir, accept=accept_license or [], hash_contents=not no_hash,
-                                jobs=jobs, out=out, timeout=timeout, deadline_s=deadline)
+                                jobs=jobs, feedback=out.feedback(_terminal_confirm(out)), timeout=timeout,
+                                deadline_s=deadline)
     out.result(result, render=lambda console: fetching.render(result, console))
     if not result.verify.ok:
         raise typer.Exit(1)
+
+
+
+def _terminal_confirm(out):
+    """The operator types the licence id to accept it; None where nobody can be asked."""
+    if not (sys.stdin.isatty() and out.human):
+        return None
+    return lambda lic: input(f"Type the licence id ({lic.id}) to accept it: ").strip() == lic.id
 
 
 fetch.epilog = examples(

@@ -143,7 +143,7 @@ def plan(
         tensor_parallel_size=tp or (1 if cpu else node.num_devices),
         weights=WeightFormats.for_checkpoint(spec.checkpoint_quant, spec.fp8_attention, experts=experts,
                                              dense=dense, kda=kda, mla=mla, embeddings=embeddings),
-        kv_cache_dtype=_kv_dtype(kv_cache_dtype),
+        kv_cache_dtype=kv_cache_dtype,
         speculative=parse_speculative(speculative, str(drafter) if drafter else None),
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -184,17 +184,6 @@ def _check_model_limits(spec, max_model_len: int | None) -> None:
                          f"(max_position_embeddings {spec.max_position_embeddings:,})",
                          hint=f"use --max-model-len {spec.max_position_embeddings:,} or less "
                               "(serve's preflight refuses it too)")
-
-
-def _kv_dtype(text: str) -> str:
-    from glmctl._cli.completion import kv_cache_dtype_names
-    from glmctl.errors import UsageError
-
-    names = kv_cache_dtype_names()
-    value = {"bfloat16": "bf16"}.get(text.strip().lower(), text.strip().lower())
-    if value not in (*names, "fp8_e4m3"):
-        raise UsageError(f"--kv-cache-dtype '{text}' is not one of {', '.join(names)}")
-    return "fp8" if value == "fp8_e4m3" else value
 
 
 plan.epilog = examples(

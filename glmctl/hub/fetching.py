@@ -17,8 +17,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from glmctl._cli.output import Output
+from glmctl import switches
 from glmctl.errors import GlmctlError, UsageError
+from glmctl.feedback import QUIET, Feedback
 from glmctl.hub import download as dl
 from glmctl.hub.catalog import resolve
 from glmctl.hub.manifest import ExpectedFile, read_manifest
@@ -95,42 +96,45 @@ class FetchResult(BaseModel):
 
 
 def models_dir() -> Path:
-    if env := os.environ.get("GLMCTL_MODELS"):
-        return Path(env)
+    if env := switches.read("GLMCTL_MODELS"):
+        return env
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "glmctl" / "models"
 
 
 def fetch(target: str, *, repo: str | None, revision: str | None, include: list[str], exclude: list[str],
-          local_dir: Path | None, accept: list[str], hash_contents: bool, jobs: int, out: Output,
-          timeout: float = dl.DEFAULT_TIMEOUT_S, deadline_s: float | None = DEFAULT_DEADLINE_S) -> FetchResult:
+          local_dir: Path | None, accept: list[str], hash_contents: bool, jobs: int,
+          feedback: Feedback = QUIET, timeout: float = dl.DEFAULT_TIMEOUT_S,
+          deadline_s: float | None = DEFAULT_DEADLINE_S) -> FetchResult:
     from glmctl.hub.license_gate import decide_license
 
     artifact = resolve(target, repo)
     local_dir = (local_dir or models_dir() / artifact.name).expanduser().resolve()
     # The licence is the catalogue's: refused before the network is asked anything, recorded once the
     # listing proves the repository is there.
-    licence = decide_license(artifact.license, accept=accept, artifact=artifact.name, record_dir=local_dir, out=out)
+    licence = decide_license(artifact.license, accept=accept, artifact=artifact.name, record_dir=local_dir,
+                             feedback=feedback)
     deadline = FetchDeadline(deadline_s)
     plan = bounded(lambda: dl.plan_fetch(artifact, local_dir, revision, include or None, exclude, timeout),
                    deadline, f"listing {artifact.repo_id} on the Hub")
-    out.note(f"{artifact.repo_id}@{plan.revision[:10]}: {len(plan.files)} files, "
+    feedback.note(f"{artifact.repo_id}@{plan.revision[:10]}: {len(plan.files)} files, "
              f"{plan.bytes_total / 2**30:,.2f} GiB, {plan.bytes_to_download / 2**30:,.2f} GiB to download -> {local_dir}")
     dl.check_disk(plan)
-    licence.record(artifact=artifact.name, record_dir=local_dir, out=out)
+    licence.record(artifact=artifact.name, record_dir=local_dir,
+                             feedback=feedback)
     if plan.bytes_to_download:
-        bounded(lambda: dl.download(plan, max_workers=jobs, show_progress=out.human, timeout=timeout),
+        bounded(lambda: dl.download(plan, max_workers=jobs, show_progress=feedback.bars, timeout=timeout),
                 deadline, f"downloading {artifact.repo_id}")
     dl.record_manifest(plan, artifact.license)
     report = _verify(local_dir, plan.files, source="hub", revision=plan.revision,
-                     hash_contents=hash_contents, jobs=jobs, out=out)
+                     hash_contents=hash_contents, jobs=jobs, feedback=feedback)
     return FetchResult(artifact=artifact.name, repo_id=artifact.repo_id, revision=plan.revision,
                        local_dir=str(local_dir), license=artifact.license,
                        downloaded_bytes=plan.bytes_to_download, verify=report)
 
 
 def verify_download(local_dir: Path, *, offline: bool, hash_contents: bool, jobs: int, repair: bool,
-                    out: Output, timeout: float = dl.DEFAULT_TIMEOUT_S,
+                    feedback: Feedback = QUIET, timeout: float = dl.DEFAULT_TIMEOUT_S,
                     deadline_s: float | None = DEFAULT_DEADLINE_S) -> FetchResult:
     local_dir = local_dir.expanduser().resolve()
     if not local_dir.is_dir():
@@ -149,11 +153,11 @@ def verify_download(local_dir: Path, *, offline: bool, hash_contents: bool, jobs
         except (dl.HubError, FetchAbandoned) as exc:
             if isinstance(exc, FetchAbandoned) and exc.exit_code == 130:
                 raise
-            out.warn(f"{exc.message}; verifying against the manifest written at download time")
+            feedback.warn(f"{exc.message}; verifying against the manifest written at download time")
     if not manifest:
-        out.warn(f"no glmctl manifest in {local_dir}: only structure (headers, index, config) can be checked")
+        feedback.warn(f"no glmctl manifest in {local_dir}: only structure (headers, index, config) can be checked")
     report = _verify(local_dir, expected, source=source, revision=revision,
-                     hash_contents=hash_contents, jobs=jobs, out=out)
+                     hash_contents=hash_contents, jobs=jobs, feedback=feedback)
     repaired: list[str] = []
     if repair and report.bad_files:
         if not manifest:
@@ -161,12 +165,12 @@ def verify_download(local_dir: Path, *, offline: bool, hash_contents: bool, jobs
                              hint="fetch it again: glmctl fetch REPO --local-dir DIR")
         by_path = {e.path: e for e in expected}
         damaged = [by_path[f.path] for f in report.bad_files if f.path in by_path]
-        out.note(f"repairing {len(damaged)} files: {', '.join(f.path for f in damaged)}")
+        feedback.note(f"repairing {len(damaged)} files: {', '.join(f.path for f in damaged)}")
         repaired = bounded(lambda: dl.redownload(manifest.repo_id, manifest.revision, local_dir, damaged,
-                                                 show_progress=out.human, timeout=timeout),
+                                                 show_progress=feedback.bars, timeout=timeout),
                            deadline, f"repairing {local_dir}")
         report = _verify(local_dir, expected, source=source, revision=revision,
-                         hash_contents=hash_contents, jobs=jobs, out=out)
+                         hash_contents=hash_contents, jobs=jobs, feedback=feedback)
     return FetchResult(artifact=manifest.artifact if manifest else local_dir.name,
                        repo_id=manifest.repo_id if manifest else None, revision=revision,
                        local_dir=str(local_dir), license=manifest.license if manifest else None,
@@ -185,8 +189,8 @@ def _read_manifest(local_dir: Path):
 
 
 def _verify(local_dir: Path, expected: list[ExpectedFile], *, source: str, revision: str | None,
-            hash_contents: bool, jobs: int, out: Output) -> VerifyReport:
-    with out.progress() as bar:
+            hash_contents: bool, jobs: int, feedback: Feedback = QUIET) -> VerifyReport:
+    with feedback.progress() as bar:
         files = check_files(local_dir, expected, hash_contents=hash_contents, jobs=jobs, progress=bar)
     headers, problems = check_structure(local_dir)
     if not expected and not any(local_dir.glob("*.safetensors")):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from hashlib import sha256
 from importlib import resources
@@ -25,10 +26,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from glmctl import paths
+from glmctl import paths, switches
 from glmctl.errors import ConfigError
 
-ACCEPT_ENV = "GLMCTL_ACCEPT_LICENSES"  # comma-separated licence ids, same effect as --accept-license
 ARTIFACT_DIR = ".glmctl"  # the per-artifact metadata folder (shared with glmctl fetch's manifest)
 
 # Licence identifiers as Hugging Face model cards and SPDX spell them that are known to allow
@@ -188,9 +188,8 @@ def artifact_store(artifact_dir: Path) -> LicenseStore:
 def accepted_from_env() -> set[str]:
     """Licence ids accepted through GLMCTL_ACCEPT_LICENSES (resolved to catalogue ids)."""
     ids = set()
-    for item in os.environ.get(ACCEPT_ENV, "").split(","):
-        if item.strip():
-            ids.add(get_license(item).id)
+    for item in switches.read("GLMCTL_ACCEPT_LICENSES"):
+        ids.add(get_license(item).id)
     return ids
 
 
@@ -200,6 +199,41 @@ def find_acceptance(lic: License, artifact_dirs: list[Path] = ()) -> AcceptanceR
         if (rec := store.accepted(lic)) is not None:
             return rec
     return None
+
+
+def acceptance(lic: License, accept: Iterable[str], artifact_dirs: list[Path] = (),
+               confirm: Callable[[License], bool] | None = None) -> tuple[str | None, AcceptanceRecord | None]:
+    """How `lic` is accepted, in the one order `glmctl fetch` and `glmctl serve` both use: by
+    `--accept-license` (`accept`), by GLMCTL_ACCEPT_LICENSES, by an earlier record (the user's, or
+    one next to an artifact), then by `confirm` (the operator asked; None: nobody can be).
+    (via, None) for an acceptance given now ("flag", "env", "prompt"), (None, record) for an
+    earlier one, (None, None) when `lic` is not accepted. Records nothing."""
+    if lic.id in {get_license(a).id for a in accept}:
+        return "flag", None
+    if lic.id in accepted_from_env():
+        return "env", None
+    if (earlier := find_acceptance(lic, artifact_dirs)) is not None:
+        return None, earlier
+    if confirm is not None and confirm(lic):
+        return "prompt", None
+    return None, None
+
+
+def record_acceptance(lic: License, via: str | None, artifact_dirs: list[Path] = (), artifact: str | None = None,
+                      earlier: AcceptanceRecord | None = None) -> AcceptanceRecord:
+    """Record an acceptance of `lic` for the user and next to each artifact (`artifact`: the name
+    the records give it; default: the user's record names none, each artifact's its directory).
+    With `earlier` (an acceptance found, none given now) it is copied only where it is missing.
+    Returns the user's record."""
+    stores = [(user_store(), artifact), *((artifact_store(d), artifact if artifact is not None else d)
+                                          for d in artifact_dirs)]
+    first = None
+    for store, name in stores:
+        rec = store.accepted(lic) if earlier is not None else None
+        if rec is None:
+            rec = store.accept(lic, via or earlier.via, artifact=name)
+        first = first or rec
+    return first
 
 
 def artifact_license_ids(artifact_dir: Path) -> list[str]:

@@ -13,6 +13,7 @@ import math
 from pydantic import BaseModel
 
 from glmctl.errors import UsageError
+from glmctl.kernels.layouts import KV_FORMATS, KV_FP8, KV_FP8_DS_MLA, kv_format
 from glmctl.plan.drafter_kv import DrafterKv, capacity_with_drafter, drafter_kv
 from glmctl.plan.kv_cache import KvCacheLayout, kv_cache_layout, kv_capacity
 from glmctl.plan.model import ModelSpec
@@ -22,7 +23,7 @@ from glmctl.plan.setup import WEIGHT_GROUPS, ServingSetup
 from glmctl.plan.weights import dflash_drafter_bytes, mtp_drafter_bytes, weight_groups
 
 GIB = 1 << 30
-GLMCTL_DEFAULT_MAX_MODEL_LEN = 262_144  # glmctl's target context; vLLM would use the model's 1M
+DEFAULT_MAX_MODEL_LEN = 262_144  # glmctl's target context; vLLM would use the model's 1M
 
 
 class MemoryLine(BaseModel):
@@ -122,11 +123,11 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
     num_spec = spec.num_tokens
     mtp_layers = model.num_nextn_predict_layers if spec.method == "mtp" else 0
     cuda = node.platform == "cuda"
-    max_model_len = setup.max_model_len or min(GLMCTL_DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
+    max_model_len = setup.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
     max_num_seqs = setup.max_num_seqs or (256 if cuda else 128)
     batched = setup.max_num_batched_tokens or _default_batched_tokens(node, max_model_len)
     prefix_caching = cuda if setup.enable_prefix_caching is None else setup.enable_prefix_caching
-    kv_dtype = {"bf16": "bfloat16"}.get(setup.kv_cache_dtype, setup.kv_cache_dtype)
+    kv_dtype = setup.kv_cache_dtype
     graphs: list[int] = []
     if cuda and not setup.enforce_eager:
         graphs = ([s for s in setup.cudagraph_capture_sizes if s <= batched] if setup.cudagraph_capture_sizes
@@ -218,9 +219,10 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
                      "(the plan is for text serving)")
     if model.defaulted:
         notes.append(f"{model.source} leaves out {', '.join(model.defaulted)}: transformers' defaults were used")
-    if kv_dtype == "fp8_ds_mla":
-        notes.append("fp8_ds_mla stores 656 bytes per token (vLLM's DeepSeek record with a 64-dim RoPE part "
-                     "this NoPE model does not have); --kv-cache-dtype fp8 stores 512")
+    if kv_format(kv_dtype).name == KV_FP8_DS_MLA:
+        notes.append(f"fp8_ds_mla stores {KV_FORMATS[KV_FP8_DS_MLA].row_bytes} bytes per token (vLLM's DeepSeek "
+                     "record with a 64-dim RoPE part this NoPE model does not have); --kv-cache-dtype fp8 stores "
+                     f"{KV_FORMATS[KV_FP8].row_bytes}")
     return CapacityPlan(
         model=model.name,
         model_source=model.source,

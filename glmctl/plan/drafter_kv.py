@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from glmctl.kernels.layouts import kv_format
 from glmctl.plan.kv_cache import KvCacheLayout, KvCapacity, cdiv
 from glmctl.plan.setup import DrafterSpec
 from glmctl.plugin.dflash2_layout import DraftPlacement, PoolShape, choose, requested_placement
@@ -31,7 +32,7 @@ class DrafterKv(BaseModel):
 def draft_page_bytes(drafter: DrafterSpec, tp: int, kv_cache_dtype: str, block_size: int) -> int:
     """One draft layer's page: vLLM's FullAttentionSpec (KV heads split over TP, at least one)."""
     heads = max(drafter.num_key_value_heads // tp, 1)
-    element = 1 if kv_cache_dtype.startswith("fp8") else 2
+    element = kv_format(kv_cache_dtype).value_bytes
     return block_size * 2 * heads * drafter.head_dim * element
 
 

@@ -23,13 +23,13 @@ Block size (`resolve_block_size`), in the order vLLM sets it:
    (`Platform.update_block_size_for_backend` phase 1, platforms/interface.py). vLLM CPU:
    `CpuPlatform.check_and_update_config` (platforms/cpu.py) pins 16 for MLA models, over
    `--block-size` too, unless the CPU has AMX tiles (then `--block-size`, else 128); glmctl's
-   plugin then raises it to `policy.kpool_block_size` (`config_hooks._fix_cpu_cache_config`).
+   plugin then raises it to `layouts.kpool_block_size` (`config_hooks._fix_cpu_cache_config`).
 2. the hybrid alignment, `Platform._align_hybrid_block_size` (interface.py, "none"/"align" mamba
    modes), on both platforms after the model is built: with a = max(smallest kernel block, the
    block so far, 128), the block becomes a x cdiv(KDA state page, a x per-token MLA bytes in the
    cache dtype), rounded up to a multiple of `_get_indexer_block_alignment`, and is never lowered.
    That multiple is CUDA's 32 x index_kpool (platforms/cuda.py; the CPU platform has none), and
-   with glmctl's plugin `policy.kpool_indexer_alignment`, which the plugin installs in its place
+   with glmctl's plugin `layouts.kpool_indexer_alignment`, which the plugin installs in its place
    (`adapters._install_kpool_block_alignment`): also large enough that one indexer page holds the
    tail ring (1,024 at kpool 16 with no drafts, 1,536 with MTP-3).
 
@@ -48,9 +48,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from glmctl.kernels.layouts import KV_FP8_DS_MLA, kv_format
 from glmctl.plan.model import ModelSpec
 
-FP8_DS_MLA_BYTES = 656  # vLLM's fixed fp8_ds_mla record per token (mla_attention.py)
 MLA_MIN_BLOCK_ALIGNMENT = 128  # hybrid MLA/mamba: manager block a multiple of 128 (interface.py)
 PAGED_MQA_MIN_PAGE = 32  # min(PAGED_MQA_PAGE_SIZES) (utils/deep_gemm.py)
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -102,15 +102,16 @@ class KvCacheLayout(BaseModel):
 
 def mla_bytes_per_token(model: ModelSpec, kv_cache_dtype: str) -> int:
     """Bytes one MLA layer stores per token (MLAAttentionSpec page / block_size)."""
-    if kv_cache_dtype == "fp8_ds_mla":
-        return FP8_DS_MLA_BYTES
+    layout = kv_format(kv_cache_dtype)
+    if layout.name == KV_FP8_DS_MLA:
+        return layout.row_bytes  # vLLM's fixed record (mla_attention.py), whatever the model's rank
     return model.mla_head_size * _cache_dtype_bytes(model, kv_cache_dtype)
 
 
 def _cache_dtype_bytes(model: ModelSpec, kv_cache_dtype: str) -> int:
     if kv_cache_dtype == "auto":
         return _DTYPE_BYTES.get(model.dtype, 2)
-    return 2 if kv_cache_dtype in ("bf16", "bfloat16") else 1  # fp8 variants store uint8
+    return kv_format(kv_cache_dtype).value_bytes
 
 
 def indexer_state_bytes(model: ModelSpec) -> int:
@@ -136,7 +137,7 @@ def resolve_block_size(
     if platform == "cpu":
         block = (user_block_size or 128) if cpu_amx else 16
         if glmctl_plugin and kpool_cache:
-            from glmctl.plugin.policy import kpool_block_size
+            from glmctl.kernels.layouts import kpool_block_size
 
             block = kpool_block_size(block, model.index_kpool, model.index_head_dim, num_spec)
     else:
@@ -160,7 +161,7 @@ def _indexer_block_alignment(model: ModelSpec, platform: str, glmctl_plugin: boo
     stock = model.index_kpool * PAGED_MQA_MIN_PAGE if platform == "cuda" else None
     if not glmctl_plugin:
         return stock
-    from glmctl.plugin.policy import kpool_indexer_alignment
+    from glmctl.kernels.layouts import kpool_indexer_alignment
 
     return kpool_indexer_alignment(model.index_kpool, model.index_head_dim, num_spec, stock)
 
@@ -184,7 +185,7 @@ def kv_cache_layout(
     `glmctl_plugin`: plan vLLM with glmctl's plugin active (the product: sm_8x and vLLM CPU), whose
     kpool tail ring holds `kpool + drafts - 1` tokens under MTP (vLLM's one-pool ring loses
     accepted tokens when a draft is rejected) and whose block-size rule grows the block until the
-    indexer page can hold that tail (`glmctl.plugin.policy`, the one place both rules live).
+    indexer page can hold that tail (`glmctl.kernels.layouts`, the one place both rules live).
     False plans stock vLLM 0.30. `platform`: "cuda" or "cpu" (vLLM CPU starts from another block
     size; `cpu_amx`: the CPU has AMX tiles). `kernel_block_size`: the sparse-MLA backend's smallest
     kernel block (glmctl's: 16; FlashMLA-sparse: 64); below 128 it never changes the result for
@@ -197,7 +198,7 @@ def kv_cache_layout(
                                glmctl_plugin=glmctl_plugin, num_spec=num_spec, cpu_amx=cpu_amx)
     ring = model.index_kpool
     if glmctl_plugin and model.has_indexer and model.index_kpool > 1:
-        from glmctl.plugin.policy import kpool_tail_ring
+        from glmctl.kernels.layouts import kpool_tail_ring
 
         ring = kpool_tail_ring(model.index_kpool, num_spec)
     num_mla = len(model.mla_layers) + mtp_layers

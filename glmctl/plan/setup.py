@@ -16,9 +16,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from glmctl.errors import ConfigError, UsageError
+from glmctl.kernels.layouts import KvCacheDtype, normalise_kv_cache_dtype
 
 WeightKind = Literal["bf16", "fp8", "exl3"]
-KvCacheDtype = Literal["auto", "bf16", "fp8", "fp8_ds_mla"]
 WEIGHT_GROUPS = ("experts", "dense", "kda", "mla", "embeddings")
 
 
@@ -175,6 +175,17 @@ class ServingSetup(BaseModel):
     kernel_block_size: int = 64  # smallest sparse-MLA kernel block (glmctl 16, FlashMLA-sparse 64; <128: no effect)
     glmctl_plugin: bool = True  # plan vLLM with glmctl's plugin (its MTP tail ring and block rule)
     session_tokens: int = 262_144  # the report's "session": 256k tokens
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _vllm_spelling(cls, value):
+        """bf16 and fp8_e4m3 as vLLM spells them; a UsageError (not wrapped by pydantic) otherwise."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return normalise_kv_cache_dtype(value)
+        except ValueError as exc:
+            raise UsageError(str(exc), hint="e.g. --kv-cache-dtype fp8") from None
 
     @field_validator("cudagraph_capture_sizes")
     @classmethod

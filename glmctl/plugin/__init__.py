@@ -7,13 +7,16 @@ it acts and `activation` for what it installs.
 
 
 def register() -> None:
-    """Called by vLLM in every process; idempotent, and a no-op where nothing is needed."""
+    """Called by vLLM in every process; idempotent, and a no-op where nothing is needed. The
+    switches (`glmctl.switches`) are read once here and handed to each installer."""
+    from glmctl import switches
     from glmctl.plugin.activation import register_once
     from glmctl.plugin.communicator import install_collectives
     from glmctl.plugin.exl3_config import register_exl3_quantization
     from glmctl.plugin.fp8_attention import install_fp8_attention
 
-    register_exl3_quantization()  # EXL3-experts checkpoints on any platform; GLMCTL_EXL3=off skips it
-    register_once()
-    install_fp8_attention()  # block-FP8 attention projections on any platform; GLMCTL_FP8_ATTENTION=off skips it
-    install_collectives()  # only GLMCTL_COLLECTIVES=host-staged|auto on CUDA; else nothing is touched
+    env = switches.snapshot()
+    register_exl3_quantization(env)  # EXL3-experts checkpoints on any platform; GLMCTL_EXL3=off skips it
+    register_once(env)
+    install_fp8_attention(env)  # block-FP8 attention projections on any platform; GLMCTL_FP8_ATTENTION=off skips it
+    install_collectives(env)  # only GLMCTL_COLLECTIVES=host-staged|auto on CUDA; else nothing is touched

@@ -16,11 +16,10 @@ environment, which the engine and worker processes (spawned later) inherit, so t
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Mapping
 
+from glmctl import switches
 from glmctl.plugin.policy import (
-    ENV_ACTIVE,
-    ENV_MODE,
     PlatformDecision,
     PlatformFacts,
     PluginMode,
@@ -37,13 +36,14 @@ _active_target: Target | None = None
 _installed: list[str] = []
 
 
-def register_once() -> None:
+def register_once(env: Mapping[str, str] | None = None) -> None:
+    """`env`: the switches as `register()` read them (default: this process's environment)."""
     global _registered
     if _registered:
         return
     _registered = True
     try:
-        mode = PluginMode.parse(os.environ.get(ENV_MODE))
+        mode = PluginMode(switches.read("GLMCTL_PLUGIN", env))
     except ValueError as exc:
         logger.warning("glmctl plugin: inactive (%s)", exc)
         return
@@ -59,8 +59,8 @@ def register_once() -> None:
     # The gate stays installed after activation: vLLM builds further configs later (e.g. the
     # MTP drafter's, inside the worker) and each needs the same GLM-5.3-Flash defaults.
     _install_config_gate(decision)
-    if os.environ.get(ENV_ACTIVE):
-        activate(decision, because=f"inherited {ENV_ACTIVE}={os.environ[ENV_ACTIVE]}")
+    if inherited := switches.read("GLMCTL_PLUGIN_ACTIVE", env):
+        activate(decision, because=f"inherited GLMCTL_PLUGIN_ACTIVE={inherited}")
 
 
 def current_platform_facts() -> PlatformFacts:
@@ -94,7 +94,7 @@ def _install_config_gate(decision: PlatformDecision) -> None:
             _log_inactive_once(vllm_config)
             return
         if not is_active():
-            os.environ[ENV_ACTIVE] = "glm5_next"
+            switches.hand_over("GLMCTL_PLUGIN_ACTIVE", "glm5_next")
             activate(decision, because="GLM-5.3-Flash config")
         from glmctl.plugin.config_hooks import update_glm5_next_config
 
@@ -127,10 +127,9 @@ def activate(decision: PlatformDecision, because: str) -> None:
     _active_target = decision.target
     kernel_table.use_target(decision.target)
     logger.info(
-        "glmctl plugin: active for GLM-5.3-Flash (%s; %s): %s [%s=%s]",
+        "glmctl plugin: active for GLM-5.3-Flash (%s; %s): %s [GLMCTL_PLUGIN=%s]",
         decision.reason,
         because,
         ", ".join(_installed),
-        ENV_MODE,
-        os.environ.get(ENV_MODE, "auto"),
+        switches.read("GLMCTL_PLUGIN"),
     )

@@ -66,10 +66,11 @@ def _register_indexer() -> str:
 def _install_kpool_block_alignment() -> str:
     """vLLM's hook for the indexer's block-size multiple (`_get_indexer_block_alignment`, used
     when it sizes hybrid blocks) knows only the 32 * kpool page rule; the kpool tail page must
-    also fit the indexer page (`policy.kpool_indexer_alignment`), else vLLM asserts on small models."""
+    also fit the indexer page (`layouts.kpool_indexer_alignment`), else vLLM asserts on small models."""
     from vllm.platforms import current_platform
 
-    from glmctl.plugin.policy import kpool_indexer_alignment, num_speculative_tokens
+    from glmctl.kernels.layouts import kpool_indexer_alignment
+    from glmctl.plugin.policy import num_speculative_tokens
 
     platform_cls = type(current_platform)
     stock = platform_cls._get_indexer_block_alignment

@@ -50,22 +50,18 @@ import signal
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+from glmctl import switches
 from glmctl.errors import ConfigError
 
 logger = logging.getLogger("vllm.glmctl")
 
-ENV_MODE = "GLMCTL_COLLECTIVES"
-ENV_INT8 = "GLMCTL_COLLECTIVES_INT8"
-ENV_INT8_MIN_MIB = "GLMCTL_COLLECTIVES_INT8_MIN_MIB"
-ENV_MAX_MIB = "GLMCTL_COLLECTIVES_MAX_MIB"
-ENV_TIMEOUT_S = "GLMCTL_COLLECTIVES_TIMEOUT_S"
-MODES = ("vllm", "host-staged", "auto")
 MiB = 1 << 20
-# INT8 from 4 MiB: measured on 1x H200 (bench/results/collectives-h200.md, 2 ranks) INT8 gave 1.09x
-# at 4 MiB and 1.39x at 8 MiB; a slower link (L40, ~half the H200's) gains more at the same size.
-DEFAULT_INT8_MIN_BYTES = 4 * MiB
+# INT8 from 4 MiB (GLMCTL_COLLECTIVES_INT8_MIN_MIB's default): measured on 1x H200
+# (bench/results/collectives-h200.md, 2 ranks) INT8 gave 1.09x at 4 MiB and 1.39x at 8 MiB; a
+# slower link (L40, ~half the H200's) gains more at the same size.
+DEFAULT_INT8_MIN_BYTES = int(switches.parse("GLMCTL_COLLECTIVES_INT8_MIN_MIB", None) * MiB)
 MAX_BYTES_CAP = 32 * MiB
-MIN_MAX_BYTES = 1 * MiB
+MIN_MAX_BYTES = int(switches.switch("GLMCTL_COLLECTIVES_MAX_MIB").minimum * MiB)
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -78,34 +74,15 @@ class CollectivesSettings:
     timeout_s: float | None = None  # None: vLLM's distributed timeout, else DEFAULT_TIMEOUT_S
 
 
-def settings_from_env(env: Mapping[str, str]) -> CollectivesSettings:
+def settings_from_env(env: Mapping[str, str] | None = None) -> CollectivesSettings:
     """Parse the switches; ConfigError names the variable and the values it takes."""
-    mode = env.get(ENV_MODE, "vllm").strip().lower() or "vllm"
-    if mode not in MODES:
-        raise ConfigError(f"{ENV_MODE}={env[ENV_MODE]!r} is not one of {', '.join(MODES)}")
-    int8 = env.get(ENV_INT8, "off").strip().lower() or "off"
-    if int8 not in ("off", "prefill"):
-        raise ConfigError(f"{ENV_INT8}={env[ENV_INT8]!r} is not one of off, prefill")
-
-    def number(name: str, low: float) -> float | None:
-        raw = env.get(name, "").strip()
-        if not raw:
-            return None
-        try:
-            value = float(raw)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise ConfigError(f"{name}={raw!r} must be a number >= {low:g}")
-        return value
-
-    int8_min = number(ENV_INT8_MIN_MIB, 0.0)
-    max_mib = number(ENV_MAX_MIB, MIN_MAX_BYTES / MiB)
+    max_mib = switches.read("GLMCTL_COLLECTIVES_MAX_MIB", env)
     return CollectivesSettings(
-        mode=mode, int8_prefill=int8 == "prefill",
-        int8_min_bytes=DEFAULT_INT8_MIN_BYTES if int8_min is None else int(int8_min * MiB),
+        mode=switches.read("GLMCTL_COLLECTIVES", env),
+        int8_prefill=switches.read("GLMCTL_COLLECTIVES_INT8", env) == "prefill",
+        int8_min_bytes=int(switches.read("GLMCTL_COLLECTIVES_INT8_MIN_MIB", env) * MiB),
         max_bytes=None if max_mib is None else int(max_mib * MiB),
-        timeout_s=number(ENV_TIMEOUT_S, 0.1))
+        timeout_s=switches.read("GLMCTL_COLLECTIVES_TIMEOUT_S", env))
 
 
 @dataclass(frozen=True)
@@ -250,7 +227,6 @@ class HostStagedCustomAllreduce:
 def install_collectives(env: Mapping[str, str] | None = None) -> bool:
     """Called by `register()` in every vLLM process: wrap CudaCommunicator.__init__ when the
     switch asks for host staging and the platform is CUDA; otherwise touch nothing."""
-    env = os.environ if env is None else env
     try:
         settings = settings_from_env(env)
     except ConfigError as exc:
@@ -261,7 +237,7 @@ def install_collectives(env: Mapping[str, str] | None = None) -> bool:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
-        logger.debug("glmctl collectives: %s=%s ignored on platform %s", ENV_MODE, settings.mode,
+        logger.debug("glmctl collectives: GLMCTL_COLLECTIVES=%s ignored on platform %s", settings.mode,
                      current_platform.device_name)
         return False
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
@@ -270,12 +246,9 @@ def install_collectives(env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-def _plugin_off(env: Mapping[str, str]) -> bool:
-    from glmctl.plugin.policy import ENV_MODE as PLUGIN_MODE
-    from glmctl.plugin.policy import PluginMode
-
+def _plugin_off(env: Mapping[str, str] | None) -> bool:
     try:
-        return PluginMode.parse(env.get(PLUGIN_MODE)) is PluginMode.OFF
+        return switches.read("GLMCTL_PLUGIN", env) == "off"
     except ValueError:
         return False  # the plugin's own line reports the bad value
 
@@ -307,9 +280,9 @@ def attach_host_staged(dc, settings: CollectivesSettings) -> HostStagedCustomAll
         return None
     if not group.one_node:
         if settings.mode == "host-staged":
-            raise ConfigError(f"{ENV_MODE}=host-staged needs every rank of {dc.unique_name} on one "
+            raise ConfigError(f"GLMCTL_COLLECTIVES=host-staged needs every rank of {dc.unique_name} on one "
                               "node (they share /dev/shm)",
-                              hint=f"run tensor parallelism within a node or set {ENV_MODE}=vllm")
+                              hint="run tensor parallelism within a node or set GLMCTL_COLLECTIVES=vllm")
         return None
     vllm_ca = getattr(dc, "ca_comm", None)
     if settings.mode == "auto" and not group.agree(
@@ -332,8 +305,8 @@ def attach_host_staged(dc, settings: CollectivesSettings) -> HostStagedCustomAll
     _route(dc, ca)
     int8 = f"INT8 for all-reduce >= {threshold / MiB:.2f} MiB" if threshold else "INT8 off"
     logger.info("glmctl collectives: host-staged all-reduce and all-gather installed for group %s "
-                "(%s=%s, rank %d of %d, up to %d MiB per call and larger messages in pieces, %s, "
-                "copy engines %s, direct path %s)", dc.unique_name, ENV_MODE, settings.mode,
+                "(GLMCTL_COLLECTIVES=%s, rank %d of %d, up to %d MiB per call and larger messages in "
+                "pieces, %s, copy engines %s, direct path %s)", dc.unique_name, settings.mode,
                 dc.rank_in_group, dc.world_size, comm.max_bytes // MiB, int8,
                 getattr(comm, "copy_engines", "-"), getattr(getattr(comm, "options", None), "direct", "-"))
     return ca

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 
+from glmctl.kernels.layouts import kpool_block_size
 from glmctl.plugin import mhc
-from glmctl.plugin.policy import Target, kpool_block_size, num_speculative_tokens
+from glmctl.plugin.policy import Target, num_speculative_tokens
 
 logger = logging.getLogger("vllm.glmctl")
 

@@ -30,11 +30,9 @@ tie, and `GLMCTL_DFLASH2_KV=alias|append` forces one.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-ENV_PLACEMENT = "GLMCTL_DFLASH2_KV"
-PLACEMENTS = ("alias", "append")
+from glmctl import switches
 
 
 def cdiv(a: int, b: int) -> int:
@@ -111,12 +109,8 @@ def append_placement(pool: PoolShape, draft_pages: list[int]) -> DraftPlacement:
 
 
 def requested_placement() -> str | None:
-    value = (os.environ.get(ENV_PLACEMENT) or "auto").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value not in PLACEMENTS:
-        raise ValueError(f"{ENV_PLACEMENT}={value!r} is not one of auto, alias, append")
-    return value
+    value = switches.read("GLMCTL_DFLASH2_KV")
+    return None if value == "auto" else value
 
 
 def choose(pool: PoolShape, draft_pages: list[int], draft_blocks: int, sliding_window: bool = False,
@@ -130,10 +124,10 @@ def choose(pool: PoolShape, draft_pages: list[int], draft_blocks: int, sliding_w
     alias = alias_placement(pool, draft_pages, draft_blocks)
     append = None if sliding_window else append_placement(pool, draft_pages)
     if forced == "alias" and alias is None:
-        raise ValueError(f"{ENV_PLACEMENT}=alias: the draft pages {draft_pages} do not fit the "
+        raise ValueError(f"GLMCTL_DFLASH2_KV=alias: the draft pages {draft_pages} do not fit the "
                          f"{pool.num_mla_slots} MLA pages of {pool.mla_page} bytes of a block")
     if forced == "append" and append is None:
-        raise ValueError(f"{ENV_PLACEMENT}=append: a sliding-window drafter can only be aliased")
+        raise ValueError("GLMCTL_DFLASH2_KV=append: a sliding-window drafter can only be aliased")
     if forced == "alias" or append is None:
         assert alias is not None, "a sliding-window drafter whose pages do not fit the MLA pages"
         return alias

@@ -12,22 +12,13 @@ Every path is CUDA-graph safe and sync-free; sizes no path holds fall through to
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-DECODE_ENV = "GLMCTL_EXL3_DECODE"
-DECODE_PATHS = ("auto", "coop", "coop_lean", "triton", "fused")
-TRITON_CONFIG_ENV = "GLMCTL_EXL3_TRITON_CONFIG"  # a DECODE_CONFIGS name for every size (benchmarks)
+from glmctl import switches
 
 
 def decode_path_from_env() -> str:
-    path = os.environ.get(DECODE_ENV, "auto").strip().lower()
-    if path not in DECODE_PATHS:
-        from glmctl.errors import ConfigError
-
-        raise ConfigError(f"{DECODE_ENV}={path!r} is not one of {', '.join(DECODE_PATHS)}")
-    return path
+    return switches.read("GLMCTL_EXL3_DECODE")
 
 
 def pick_decode_path(tokens: int, top_k: int, bits: float, triton_ok: bool) -> str:
@@ -64,7 +55,7 @@ class TritonDecode:
                  clamped: torch.Tensor) -> torch.Tensor:
         from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS, exl3_moe_decode
 
-        name = os.environ.get(TRITON_CONFIG_ENV)
+        name = switches.read("GLMCTL_EXL3_TRITON_CONFIG")  # one config at every size (benchmarks)
         config = DECODE_CONFIGS[name] if name else None
         return exl3_moe_decode(x, topk_ids, topk_weights, *self.projections, self.act_limit, clamped,
                                self.workspace(x.device, topk_ids.shape[1]), config)

@@ -48,8 +48,8 @@ from functools import cache
 
 import torch
 
+from glmctl import switches
 from glmctl.plugin.exl3_decode import TritonDecode, decode_path_from_env, pick_decode_path
-from glmctl.quantize.exl3_format import MUL1_MARKER
 
 FP16_SAFE = 65280.0  # the largest bf16 value that fp16 can hold (fp16 max 65504 rounds up in bf16)
 FUSED_ROWS = 256  # rows per expert in the fused kernel's buffers (its 64-row tiles reach 256)
@@ -57,7 +57,6 @@ TIERS = ((1, 16, 16), (17, 32, 32), (33, FUSED_ROWS, 64))  # (rows from, rows to
 COOP_SLOTS = 256  # exl3_moe_coop's scratch bound (MAX_SLOTS, exl3_moe_coop_kernel.cuh): T * top-k
 COOP_CALLS = 2  # up to this many coop calls per batch (64 tokens at top-8) before exl3_moe takes over
 HEAVY_GROUP_BYTES = 512 * 2**20  # fp16 weights reconstructed at once for heavy experts
-PREFILL_ENV = "GLMCTL_EXL3_PREFILL"  # "recon" (default): heavy experts reconstructed; "chunk": slices
 
 
 @cache
@@ -194,7 +193,7 @@ class Exl3MoE:
         self._tables = [*gate.pointers(), *up.pointers(), *down.pointers()]
         self._buffers = _shared_buffers(self.device, self.hidden, self.intermediate)
         self.fp16_clamped = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.prefill_mode = os.environ.get(PREFILL_ENV, "recon")
+        self.prefill_mode = switches.read("GLMCTL_EXL3_PREFILL")  # recon: heavy experts rebuilt; chunk: slices
         self.decode_kernel = decode_path_from_env()  # glmctl.plugin.exl3_decode: paths and the auto rule
         self._triton = (TritonDecode(gate, up, down, self.act_limit)
                         if TritonDecode.supports(self.bits, self.hidden, self.intermediate) else None)
@@ -404,7 +403,3 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         a = swiglu(xe @ w_gate[e].float(), xe @ w_up[e].float(), act_limit or 0.0)
         out.index_add_(0, tok, (a @ w_down[e].float()) * topk_weights[tok, slot].float().unsqueeze(1))
     return out
-
-
-def marker_ok(marker: torch.Tensor) -> bool:
-    return marker.numel() == 1 and int(marker.reshape(()).item()) == MUL1_MARKER

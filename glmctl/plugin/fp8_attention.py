@@ -24,10 +24,10 @@ decides from its own `vllm_config`; a BF16 checkpoint builds exactly what vLLM b
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Mapping
 
+from glmctl import switches
 from glmctl.plugin.fp8_selection import (
-    ENV_ACTIVE,
     KDA_QKV,
     MLA_QKV_A,
     AttentionFp8Selection,
@@ -45,11 +45,12 @@ logger = logging.getLogger("vllm.glmctl")
 _MARK = "_glmctl_fp8_attention"
 
 
-def install_fp8_attention() -> None:
-    """Called by `register()` in every vLLM process; idempotent; nothing when switched off."""
-    if switched_off():
+def install_fp8_attention(env: Mapping[str, str] | None = None) -> None:
+    """Called by `register()` in every vLLM process with the switches it read (default: this
+    process's environment); idempotent; nothing when switched off."""
+    if switched_off(env):
         return
-    if os.environ.get(ENV_ACTIVE):
+    if switches.read("GLMCTL_FP8_ATTENTION_ACTIVE", env):
         install_model_hooks()
         return
     from vllm.platforms import current_platform
@@ -64,7 +65,7 @@ def install_fp8_attention() -> None:
         from glmctl.plugin.policy import model_is_glm5_next
 
         if model_is_glm5_next(vllm_config) and _block_fp8(vllm_config.quant_config) is not None:
-            os.environ[ENV_ACTIVE] = "1"
+            switches.hand_over("GLMCTL_FP8_ATTENTION_ACTIVE", "1")
             install_model_hooks()
 
     setattr(check_and_update_config, _MARK, True)

@@ -15,24 +15,19 @@ not in the local cache), the quantization config's `modules_to_not_convert` deci
 BF16 tensor arriving for an FP8-built unit stops the load with a clear error.
 
 Switches: GLMCTL_FP8_ATTENTION=off (or GLMCTL_PLUGIN=off) leaves vLLM as shipped;
-GLMCTL_FP8_ATTENTION_METHOD=vllm|dequant picks the FP8 units' linear method (default: vLLM's
-`Fp8LinearMethod` on GPUs, the exact dequantise-at-load method on vLLM's CPU platform).
+GLMCTL_FP8_ATTENTION_METHOD=vllm|dequant picks the FP8 units' linear method (auto, the default:
+vLLM's `Fp8LinearMethod` on GPUs, the exact dequantise-at-load method on vLLM's CPU platform).
 """
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from glmctl import switches
 from glmctl.quantize.glm5next import PROJECTIONS, Projection
-
-ENV_SWITCH = "GLMCTL_FP8_ATTENTION"
-ENV_METHOD = "GLMCTL_FP8_ATTENTION_METHOD"
-# Set by the process that saw a block-FP8 GLM-5.3-Flash config; inherited by engine and workers.
-ENV_ACTIVE = "GLMCTL_FP8_ATTENTION_ACTIVE"
 
 _ATTENTION = "self_attn."
 # (layer kind, leaf under self_attn, its row) for every attention projection, in checkpoint order
@@ -67,20 +62,21 @@ FP8_UNITS: dict[str, dict[str, tuple[str, ...]]] = _units("fp8")
 BF16_UNITS: dict[str, dict[str, tuple[str, ...]]] = _units("bf16_at_load")
 
 _SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mtp_block\.)?self_attn\.(.+)$")
-_OFF = ("off", "0", "false", "no")
 
 
-def switched_off(environ=os.environ) -> bool:
-    return any(environ.get(var, "").strip().lower() in _OFF for var in (ENV_SWITCH, "GLMCTL_PLUGIN"))
+def switched_off(env: Mapping[str, str] | None = None) -> bool:
+    try:
+        plugin_off = switches.read("GLMCTL_PLUGIN", env) == "off"
+    except ValueError:
+        plugin_off = False  # the plugin's own line reports the bad value
+    return plugin_off or not switches.read("GLMCTL_FP8_ATTENTION", env)
 
 
-def method_kind(platform_is_cpu: bool, environ=os.environ) -> str:
+def method_kind(platform_is_cpu: bool, env: Mapping[str, str] | None = None) -> str:
     """"vllm" (vLLM's Fp8LinearMethod: FP8 in memory) or "dequant" (exact BF16 at load)."""
-    value = environ.get(ENV_METHOD, "").strip().lower()
-    if value in ("vllm", "dequant"):
+    value = switches.read("GLMCTL_FP8_ATTENTION_METHOD", env)
+    if value != "auto":
         return value
-    if value:
-        raise ValueError(f"{ENV_METHOD}={value!r} is not vllm or dequant")
     return "dequant" if platform_is_cpu else "vllm"
 
 

@@ -139,7 +139,7 @@ def _vllm_kpool_writes():
 
     def tail_seed(tail_cache, k, gate, tail_slots, kpool):
         # vLLM's seed kernel addresses the ring by its `kpool` argument; with MTP the ring is
-        # longer than a pool (policy.kpool_tail_ring) and seeding its whole length is harmless.
+        # longer than a pool (layouts.kpool_tail_ring) and seeding its whole length is harmless.
         ops.kpool_seed_tail_cache(tail_cache, k.contiguous(), gate.contiguous(), tail_slots,
                                   tail_cache.shape[2], k.shape[-1])
 

@@ -20,9 +20,8 @@ implementations), so torch.compile treats them as opaque calls and CUDA graphs c
 
 from __future__ import annotations
 
-import os
-
-from glmctl.plugin.policy import ENV_MHC, MhcPath, Target, decide_mhc_path
+from glmctl import switches
+from glmctl.plugin.policy import MhcPath, Target, decide_mhc_path
 
 
 def install(target: Target) -> str:
@@ -56,7 +55,7 @@ def _decide(target: Target) -> tuple[MhcPath, str]:
         cap = current_platform.get_device_capability()
         capability = (cap.major, cap.minor) if cap is not None else None
         tilelang = has_tilelang()
-    return decide_mhc_path(os.environ.get(ENV_MHC), target, capability, tilelang)
+    return decide_mhc_path(switches.read("GLMCTL_MHC"), target, capability, tilelang)
 
 
 def _op_classes(m, path: MhcPath) -> dict:

@@ -12,7 +12,7 @@ group, and their metadata is built from their group's block table and the draft 
 Nothing changes for models without a kpool tail in the draft.
 
 The tail ring itself (every indexer layer's, target and draft) gets `kpool + drafts - 1` slots
-(`policy.kpool_tail_ring`): with vLLM's one-pool ring a rejected draft past a pool boundary
+(`layouts.kpool_tail_ring`): with vLLM's one-pool ring a rejected draft past a pool boundary
 overwrites an accepted token of the pool still being filled.
 """
 
@@ -126,7 +126,7 @@ def _tail_metadata(proposer, cm, gid):
 
 
 def _install_tail_ring() -> None:
-    """Size every kpool tail ring for the configured draft count (see `policy.kpool_tail_ring`).
+    """Size every kpool tail ring for the configured draft count (see `layouts.kpool_tail_ring`).
 
     vLLM derives the tail slots (`block * block_size + position % block_size`) and the tensor
     (`[blocks, 2, block_size, head_dim]`) from the spec's block size, and glmctl's kpool writes
@@ -136,7 +136,8 @@ def _install_tail_ring() -> None:
 
     from vllm.models.glm5next.nvidia.attention import Glm5NextTailCache
 
-    from glmctl.plugin.policy import kpool_tail_ring, num_speculative_tokens
+    from glmctl.kernels.layouts import kpool_tail_ring
+    from glmctl.plugin.policy import num_speculative_tokens
 
     if getattr(Glm5NextTailCache.get_kv_cache_spec, "_glmctl", False):
         return

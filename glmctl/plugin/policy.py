@@ -14,13 +14,9 @@ The plugin acts in two stages, because vLLM loads general plugins before it know
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
-ENV_MODE = "GLMCTL_PLUGIN"
-# Set by the process that saw a GLM-5.3-Flash config, inherited by the engine and worker
-# processes vLLM spawns afterwards, so they activate before the model is built.
-ENV_ACTIVE = "GLMCTL_PLUGIN_ACTIVE"
+from glmctl import switches
 
 GLM5_NEXT_MODEL_TYPES = frozenset({"glm5_next", "glm5_next_text", "glm5_next_mtp"})
 GLM5_NEXT_ARCHITECTURES = frozenset(
@@ -35,15 +31,8 @@ class PluginMode(enum.StrEnum):
 
     @classmethod
     def parse(cls, raw: str | None) -> PluginMode:
-        value = (raw or "auto").strip().lower()
-        aliases = {"1": "on", "true": "on", "0": "off", "false": "off", "": "auto"}
-        value = aliases.get(value, value)
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"{ENV_MODE}={raw!r} is not one of auto, on, off"
-            ) from None
+        """The value of GLMCTL_PLUGIN (None: unset); `switches.SwitchError` names a bad one."""
+        return cls(switches.parse("GLMCTL_PLUGIN", raw))
 
 
 @dataclass(frozen=True)
@@ -74,7 +63,7 @@ class PlatformDecision:
 
 def decide_platform(mode: PluginMode, platform: PlatformFacts) -> PlatformDecision:
     if mode is PluginMode.OFF:
-        return PlatformDecision(False, f"{ENV_MODE}=off")
+        return PlatformDecision(False, "GLMCTL_PLUGIN=off")
     if platform.kind == "cpu":
         return PlatformDecision(True, "vLLM's CPU platform has no GLM-5.3-Flash path", Target.TORCH)
     if platform.kind == "cuda":
@@ -85,9 +74,9 @@ def decide_platform(mode: PluginMode, platform: PlatformFacts) -> PlatformDecisi
                 Target.TRITON,
             )
         if mode is PluginMode.ON:
-            return PlatformDecision(True, f"{ENV_MODE}=on ({platform.label})", Target.TRITON)
+            return PlatformDecision(True, f"GLMCTL_PLUGIN=on ({platform.label})", Target.TRITON)
         return PlatformDecision(
-            False, f"{platform.label} is served by vLLM's own kernels (set {ENV_MODE}=on to use ours)"
+            False, f"{platform.label} is served by vLLM's own kernels (set GLMCTL_PLUGIN=on to use ours)"
         )
     return PlatformDecision(False, f"platform {platform.label} is not supported by glmctl")
 
@@ -112,58 +101,9 @@ def model_is_glm5_next(vllm_config) -> bool:
     )
 
 
-def kpool_tail_ring(index_kpool: int, num_speculative_tokens: int = 0) -> int:
-    """Slots of a request's kpool tail ring: one pool (vLLM's), or ``kpool + drafts - 1`` with MTP.
-
-    A verify step writes the ring at positions ``f .. f + s`` (``f``: the first unverified
-    position, ``s``: draft tokens), position ``p`` at slot ``p % ring``, so a write at ``q``
-    replaces position ``q - ring``. When a draft at or before a pool boundary is rejected, a
-    later step completes that pool again and needs its accepted tokens, which start as early as
-    ``f + 2 - kpool``; so ``f + s - ring < f + 2 - kpool``: ``ring >= kpool + s - 1``. vLLM's
-    one-pool ring is safe for ``s <= 1`` only: with more drafts, a rejected draft past the
-    boundary overwrites an accepted token of the pool, which is then compressed from the wrong
-    key (a silent change of the sparse selection; measured on the tiny checkpoint).
-    """
-    if not index_kpool or index_kpool <= 1:
-        return index_kpool or 0
-    return index_kpool + max(num_speculative_tokens, 1) - 1
-
-
-def kpool_block_size(block_size: int, index_kpool: int | None, index_head_dim: int = 128,
-                     num_speculative_tokens: int = 0) -> int:
-    """Smallest KV block size >= `block_size` that vLLM's kpool indexer caches accept.
-
-    vLLM stores one indexer entry (head_dim fp8 values + a 4-byte scale) per `index_kpool`
-    tokens and splits each block's entries into pages of 32, so the block must be a multiple of
-    32 * index_kpool (`Glm5NextIndexerCache` asserts it). vLLM also pads the tail cache's page
-    (raw bf16 key + gate of the tail ring: 2 * ring * head_dim * 2 bytes, `kpool_tail_ring`) to
-    the indexer page, so the indexer page must be at least that large.
-    """
-    if not index_kpool or index_kpool <= 1:
-        return block_size
-    unit = 32 * index_kpool
-    tail_page = 2 * kpool_tail_ring(index_kpool, num_speculative_tokens) * index_head_dim * 2
-    size = max(unit, -(-block_size // unit) * unit)
-    while (size // index_kpool) * (index_head_dim + 4) < tail_page:
-        size += unit
-    return size
-
-
-def kpool_indexer_alignment(index_kpool: int, index_head_dim: int = 128, num_speculative_tokens: int = 0,
-                            stock_alignment: int | None = None) -> int:
-    """The block-size multiple the plugin reports to vLLM's hybrid block sizing
-    (`Platform._get_indexer_block_alignment`): `kpool_block_size(1, ...)` (the 32 * kpool page
-    rule plus room for the tail ring in one indexer page), combined with the platform's own
-    multiple (`stock_alignment`; CUDA: 32 * kpool, CPU: none) so that both divide the result."""
-    return math.lcm(kpool_block_size(1, index_kpool, index_head_dim, num_speculative_tokens), stock_alignment or 1)
-
-
 def num_speculative_tokens(vllm_config) -> int:
     spec = getattr(vllm_config, "speculative_config", None)
     return int(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
-
-
-ENV_MHC = "GLMCTL_MHC"
 
 
 class MhcPath(enum.StrEnum):
@@ -183,17 +123,15 @@ def decide_mhc_path(raw: str | None, target: Target, capability: tuple[int, int]
     glmctl's Triton kernels on sm_8x and wherever tilelang is not importable: vLLM 0.30 calls
     tilelang unconditionally on CUDA, so without it the engine dies in its first forward.
     """
-    value = (raw or "auto").strip().lower()
-    if value not in ("auto", *MhcPath):
-        raise ValueError(f"{ENV_MHC}={raw!r} is not one of auto, tilelang, triton, torch")
+    value = switches.parse("GLMCTL_MHC", raw)
     if target is Target.TORCH:
         return MhcPath.TORCH, "vLLM's CPU platform"
     if value != "auto":
         path = MhcPath(value)
         if path is MhcPath.TILELANG and not tilelang_present:
-            raise ValueError(f"{ENV_MHC}=tilelang but tilelang is not importable "
-                             f"(pip install tilelang, or use {ENV_MHC}=triton)")
-        return path, f"{ENV_MHC}={value}"
+            raise ValueError("GLMCTL_MHC=tilelang but tilelang is not importable "
+                             "(pip install tilelang, or use GLMCTL_MHC=triton)")
+        return path, f"GLMCTL_MHC={value}"
     if not tilelang_present:
         return MhcPath.TRITON, "tilelang is not importable"
     if capability is not None and capability[0] < 9:

@@ -40,7 +40,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from glmctl.kernels.layouts import KV_FP8, kv_format_of_cache_dtype
+from glmctl.kernels.layouts import KV_CACHE_DTYPES, KV_FP8, kv_format
 from glmctl.plugin.kernel_table import sparse_mla_kernels
 from glmctl.plugin.sparse_mla_compute import (
     decode_batch_sizes,
@@ -54,8 +54,8 @@ BACKEND_NAME = "GLMCTL_SPARSE_MLA"
 
 class GlmctlSparseMLABackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "fp8", "fp8_e4m3",
-                                                 "fp8_ds_mla"]
+    # vLLM's spellings of the layouts in glmctl.kernels.layouts (bf16 is glmctl's, not a vLLM value)
+    supported_kv_cache_dtypes: ClassVar[list] = [*KV_CACHE_DTYPES, "fp8_e4m3"]
 
     @staticmethod
     def get_name() -> str:
@@ -155,7 +155,7 @@ class GlmctlSparseMLAImpl(MLAAttentionImpl[GlmctlSparseMLAMetadata], SharedTopkI
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_format = kv_format_of_cache_dtype(kv_cache_dtype)  # refuses e.g. fp8_e5m2
+        self.kv_format = kv_format(kv_cache_dtype).name  # refuses e.g. fp8_e5m2
         self.kv_lora_rank: int = mla_args["kv_lora_rank"]
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
         self.kernels = sparse_mla_kernels()

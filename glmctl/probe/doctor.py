@@ -6,6 +6,7 @@ import platform
 import socket
 from datetime import UTC, datetime
 
+from glmctl.feedback import QUIET, Feedback
 from glmctl.probe import bandwidth, software
 from glmctl.probe.gpus import NoGpu, nvml_p2p_matrix, probe_gpus
 from glmctl.probe.report import DoctorReport
@@ -15,16 +16,13 @@ FULL_SIZES = [1 << 12, 1 << 16, 1 << 20, 8 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [1 << 16, 8 << 20]
 
 
-def _step(out, title: str):
-    out.note(f"[doctor] {title} ...")
+def _step(feedback: Feedback, title: str):
+    feedback.note(f"[doctor] {title} ...")
 
 
-def run(quick: bool = False, out=None, where: str | None = None) -> DoctorReport:
-    from glmctl._cli.output import Mode, Output
-
-    out = out or Output(Mode.quiet)
+def run(quick: bool = False, feedback: Feedback = QUIET, where: str | None = None) -> DoctorReport:
     notes: list[str] = []
-    _step(out, "software and host")
+    _step(feedback, "software and host")
     gpus, driver, cuda_error = [], None, None
     try:
         gpus, driver = probe_gpus()
@@ -39,7 +37,7 @@ def run(quick: bool = False, out=None, where: str | None = None) -> DoctorReport
         gpus=gpus,
         cuda_error=cuda_error,
     )
-    _step(out, "host memory bandwidth")
+    _step(feedback, "host memory bandwidth")
     threads = max(1, min(8, report.host.cpu_cores))
     report.bandwidth.append(bandwidth.host_memcpy((64 if quick else 256) * MIB, threads))
     if not gpus:
@@ -47,7 +45,7 @@ def run(quick: bool = False, out=None, where: str | None = None) -> DoctorReport
 
     size = (64 if quick else 256) * MIB
     for g in gpus:
-        _step(out, f"GPU {g.index}: pinned/pageable copies")
+        _step(feedback, f"GPU {g.index}: pinned/pageable copies")
         try:
             report.bandwidth += bandwidth.host_device_copies(g.index, size, reps=3 if quick else 5)
         except Exception as exc:  # noqa: BLE001
@@ -55,10 +53,10 @@ def run(quick: bool = False, out=None, where: str | None = None) -> DoctorReport
     if len(gpus) > 1:
         idx = [g.index for g in gpus]
         for direction in ("H2D", "D2H"):
-            _step(out, f"all GPUs at once: pinned {direction}")
+            _step(feedback, f"all GPUs at once: pinned {direction}")
             report.bandwidth.append(bandwidth.all_gpus_at_once(idx, size, direction))
         if not quick:
-            _step(out, "peer-to-peer: driver matrices and cross-process write test per pair")
+            _step(feedback, "peer-to-peer: driver matrices and cross-process write test per pair")
             from glmctl.probe.p2p import probe_p2p
 
             try:
@@ -67,7 +65,7 @@ def run(quick: bool = False, out=None, where: str | None = None) -> DoctorReport
                 nvml = None
             report.p2p = probe_p2p(len(gpus), nvml)
         sizes = QUICK_SIZES if quick else FULL_SIZES
-        _step(out, "NCCL all-reduce (default, then NCCL_P2P_DISABLE=1)")
+        _step(feedback, "NCCL all-reduce (default, then NCCL_P2P_DISABLE=1)")
         from glmctl.probe.nccl_bench import run_nccl_all_reduce
 
         for env in ({}, {"NCCL_P2P_DISABLE": "1"}):
@@ -75,7 +73,7 @@ def run(quick: bool = False, out=None, where: str | None = None) -> DoctorReport
                 report.collectives += run_nccl_all_reduce(len(gpus), sizes, env)
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"NCCL all-reduce {env or ''} failed: {exc}")
-        _step(out, "host-staged all-reduce / all-gather (glmctl.collectives)")
+        _step(feedback, "host-staged all-reduce / all-gather (glmctl.collectives)")
         report.collectives += _host_staged(len(gpus), sizes, notes)
     else:
         notes.append("one GPU: P2P, NCCL and host-staged collectives need >= 2 GPUs and were not measured")

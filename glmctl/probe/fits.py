@@ -4,25 +4,20 @@ planner's preset describes it (doctor runs before any checkpoint is on the node)
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 from glmctl.probe.report import DoctorReport
 from glmctl.probe.verdict import ProfileFit
 
 PRESET = "glm-5.3-flash"
-GIB = 1024**3
 
 
 def fits_for_node(report: DoctorReport) -> list[ProfileFit]:
     from glmctl.errors import GlmctlError
+    from glmctl.plan.model import load_model_spec
     from glmctl.serving import capacity, preflight, profiles
-    from glmctl.serving import render as rendering
-    from glmctl.serving.gpus import Gpu
 
-    # Free memory is judged at serve time; doctor judges the node, so free = total here.
-    gpus = [Gpu(g.index, g.name, tuple(g.compute_capability), g.memory_bytes / GIB, g.memory_bytes / GIB)
-            for g in report.gpus]
+    # Free memory is judged at serve time; doctor judges the node (its GPUs read as all free).
+    gpus = [g.model_copy(update={"free_bytes": None}) for g in report.gpus]
+    preset = load_model_spec(PRESET)
     fits = []
     for summary in profiles.summaries():
         if summary.error is not None or summary.platform == "cpu":
@@ -32,9 +27,8 @@ def fits_for_node(report: DoctorReport) -> list[ProfileFit]:
         reasons = [f.message for f in failures]
         if not reasons:
             try:
-                launch = rendering.render(rendering.with_paths(profile, model=Path(PRESET)))
-                launch = dataclasses.replace(launch, config={**launch.config, "model": PRESET})
-                verdict = capacity.predict(launch, gpus)
+                verdict = capacity.predict(profile, capacity.planned_model(profile, preset),
+                                           capacity.profile_node(profile, gpus))
             except GlmctlError as exc:
                 reasons.append(f"cannot plan: {exc.message}")
             else:

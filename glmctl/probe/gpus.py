@@ -1,7 +1,13 @@
-"""GPU inventory through NVML (nvidia-ml-py), with a torch fallback where NVML is absent."""
+"""GPU inventory through NVML (nvidia-ml-py), with a torch fallback where NVML is absent.
+
+Two views, one `Gpu` type: `probe_gpus` (doctor) lists every GPU of the node; `inventory`
+(`glmctl serve`'s preflight) lists the GPUs this process would give vLLM, CUDA_VISIBLE_DEVICES
+applied, with their free memory. Neither imports torch unless NVML is missing.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from glmctl.probe.report import Gpu
@@ -43,37 +49,93 @@ def _try(fn, *args):
         return None
 
 
+def _nvml_gpu(nvml, i: int) -> Gpu:
+    h = nvml.nvmlDeviceGetHandleByIndex(i)
+    name = nvml.nvmlDeviceGetName(h)
+    major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
+    memory = nvml.nvmlDeviceGetMemoryInfo(h)
+    pci = _try(nvml.nvmlDeviceGetPciInfo, h)
+    bus = pci.busId if pci is not None else None
+    bus = bus.decode() if isinstance(bus, bytes) else bus
+    return Gpu(
+        index=i,
+        name=name.decode() if isinstance(name, bytes) else name,
+        compute_capability=(major, minor),
+        memory_bytes=memory.total,
+        pci_bus_id=bus,
+        pcie_gen_current=_try(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
+        pcie_gen_max=_try(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+        pcie_width_current=_try(nvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+        pcie_width_max=_try(nvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+        numa_node=_numa_node(bus),
+        free_bytes=memory.free,
+    )
+
+
 def probe_gpus() -> tuple[list[Gpu], str | None]:
-    """(GPUs, driver version). Raises NoGpu when there is no usable device."""
+    """(every GPU of the node, driver version). Raises NoGpu when there is no usable device."""
     nvml = _nvml()
     try:
         count = nvml.nvmlDeviceGetCount()
         if count == 0:
             raise NoGpu("NVML sees no GPU")
         driver = _try(nvml.nvmlSystemGetDriverVersion)
-        gpus = []
-        for i in range(count):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            name = nvml.nvmlDeviceGetName(h)
-            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
-            pci = _try(nvml.nvmlDeviceGetPciInfo, h)
-            bus = pci.busId if pci is not None else None
-            bus = bus.decode() if isinstance(bus, bytes) else bus
-            gpus.append(Gpu(
-                index=i,
-                name=name.decode() if isinstance(name, bytes) else name,
-                compute_capability=(major, minor),
-                memory_bytes=nvml.nvmlDeviceGetMemoryInfo(h).total,
-                pci_bus_id=bus,
-                pcie_gen_current=_try(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-                pcie_gen_max=_try(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-                pcie_width_current=_try(nvml.nvmlDeviceGetCurrPcieLinkWidth, h),
-                pcie_width_max=_try(nvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                numa_node=_numa_node(bus),
-            ))
+        gpus = [_nvml_gpu(nvml, i) for i in range(count)]
         return gpus, (driver.decode() if isinstance(driver, bytes) else driver)
     finally:
         _try(nvml.nvmlShutdown)
+
+
+def visible(indices: list[int], env: str | None = None) -> list[int]:
+    """The driver indices the CUDA runtime hands out under CUDA_VISIBLE_DEVICES (`env`, default
+    this process's), in its order; numeric entries only: the runtime stops at the first entry it
+    cannot use, and UUIDs / MIG names are not resolved here."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
+    if env is None:
+        return indices
+    picked = []
+    for item in env.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            break
+        if int(item) in indices:
+            picked.append(int(item))
+    return picked
+
+
+def _visible_from_nvml() -> list[Gpu]:
+    nvml = _nvml()
+    try:
+        return [_nvml_gpu(nvml, i) for i in visible(list(range(nvml.nvmlDeviceGetCount())))]
+    finally:
+        _try(nvml.nvmlShutdown)
+
+
+def _visible_from_torch() -> list[Gpu]:
+    import torch  # the CUDA runtime applies CUDA_VISIBLE_DEVICES itself
+
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        gpus.append(Gpu(index=i, name=props.name, compute_capability=(props.major, props.minor),
+                        memory_bytes=total, free_bytes=free))
+    return gpus
+
+
+def inventory() -> list[Gpu]:
+    """The GPUs this process would give vLLM; empty when there are none (or no driver). Raises
+    nothing."""
+    try:
+        return _visible_from_nvml()
+    except Exception:  # noqa: BLE001 - no pynvml, no driver: try torch
+        pass
+    try:
+        return _visible_from_torch()
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def nvml_p2p_matrix(n: int) -> dict[tuple[int, int], str]:

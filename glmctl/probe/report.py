@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 SCHEMA_VERSION = 1
+GIB = 1 << 30
 
 
 class Software(BaseModel):
@@ -36,6 +37,9 @@ class Host(BaseModel):
 
 
 class Gpu(BaseModel):
+    """One GPU, as doctor records it and as `glmctl serve`'s preflight sees it (`glmctl.probe.gpus`).
+    `index`: the driver's (NVML) index."""
+
     index: int
     name: str
     compute_capability: tuple[int, int]
@@ -46,6 +50,17 @@ class Gpu(BaseModel):
     pcie_width_current: int | None = None
     pcie_width_max: int | None = None
     numa_node: int | None = None
+    # Free memory at the moment it was read (preflight's question); not recorded: doctor judges
+    # the node, and None reads as all of it free.
+    free_bytes: int | None = Field(None, exclude=True)
+
+    @property
+    def total_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+    @property
+    def free_gib(self) -> float:
+        return (self.memory_bytes if self.free_bytes is None else self.free_bytes) / GIB
 
 
 P2PState = Literal["ok", "not-supported", "reported-but-broken", "not-reported-but-works", "untested", "error"]

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from glmctl.errors import GlmctlError
-from glmctl.serving.render import RenderedLaunch
+from glmctl.plan.model import ModelSpec
+from glmctl.plan.node import NodeSpec, cpu_node, gpu_node
+from glmctl.plan.setup import ServingSetup, Speculative, WeightFormats, load_drafter
+from glmctl.serving.render import drafter_path
+from glmctl.serving.schema import Profile
 
 GIB = 1 << 30
 
@@ -32,35 +37,33 @@ class CapacityVerdict:
     """The nearest setting that fits, when the profile does not."""
 
 
-_KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8"}
-
-
-def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None):
-    prof, args = launch.profile, launch.profile.vllm_args
-    spec = plan.Speculative()
-    if prof.speculative.method == "mtp":
-        spec = plan.Speculative(method="mtp", num_tokens=prof.speculative.tokens)
-    elif prof.speculative.method == "dflash2":
-        from glmctl.plan.setup import load_drafter
-
-        spec = plan.Speculative(method="dflash2", num_tokens=prof.speculative.tokens,
-                                drafter=load_drafter(prof.speculative.drafter.path))
-    return plan.ServingSetup(
-        tensor_parallel_size=prof.tensor_parallel_size,
+def profile_setup(profile: Profile, model: ModelSpec, max_model_len: int | None = None) -> ServingSetup:
+    """The planner's setup for `profile` serving `model` (`max_model_len`: plan another length).
+    ConfigError for a profile that cannot be planned (a DFlash2 drafter that is not named or
+    cannot be read)."""
+    args = profile.vllm_args
+    spec = Speculative()
+    if profile.speculative.method == "mtp":
+        spec = Speculative(method="mtp", num_tokens=profile.speculative.tokens)
+    elif profile.speculative.method == "dflash2":
+        spec = Speculative(method="dflash2", num_tokens=profile.speculative.tokens,
+                           drafter=load_drafter(drafter_path(profile)))
+    return ServingSetup(
+        tensor_parallel_size=profile.tensor_parallel_size,
         # on vLLM CPU the plugin holds FP8 attention dequantised (no block-FP8 GEMM there)
-        weights=plan.WeightFormats.for_checkpoint(
-            _checkpoint_quant(prof, model), fp8_attention=model.fp8_attention if prof.platform != "cpu" else ()),
-        kv_cache_dtype=_KV_DTYPES[prof.kv_cache_dtype],
+        weights=WeightFormats.for_checkpoint(
+            model.checkpoint_quant, fp8_attention=model.fp8_attention if profile.platform != "cpu" else ()),
+        kv_cache_dtype=profile.kv_cache_dtype,
         speculative=spec,
-        max_model_len=max_model_len or prof.max_model_len,
-        max_num_seqs=prof.max_num_seqs,
-        max_num_batched_tokens=prof.max_num_batched_tokens,
-        gpu_memory_utilization=prof.gpu_memory_utilization or 0.92,
+        max_model_len=max_model_len or profile.max_model_len,
+        max_num_seqs=profile.max_num_seqs,
+        max_num_batched_tokens=profile.max_num_batched_tokens,
+        gpu_memory_utilization=profile.gpu_memory_utilization or 0.92,
         enforce_eager=bool(args.get("enforce-eager", False)),
-        max_cudagraph_capture_size=prof.cuda_graph_max_tokens,
+        max_cudagraph_capture_size=profile.cuda_graph_max_tokens,
         enable_prefix_caching=args.get("enable-prefix-caching"),
-        block_size=args.get("block-size") or _plugin_block_size(launch, model),
-        session_tokens=max_model_len or prof.max_model_len,
+        block_size=args.get("block-size") or _plugin_block_size(profile, model),
+        session_tokens=max_model_len or profile.max_model_len,
     )
 
 
@@ -68,35 +71,35 @@ def _setup(launch: RenderedLaunch, plan, model, max_model_len: int | None = None
 _PROFILE_WEIGHTS = {"bf16": "bf16", "fp8": "fp8", "exl3": "exl3:4"}
 
 
-def _checkpoint_quant(profile, model) -> str:
-    """The checkpoint's own format, or the profile's declared one when planning from the preset
-    (no checkpoint on the node yet: `glmctl doctor`)."""
-    if model.source.startswith("preset"):
-        return _PROFILE_WEIGHTS[profile.model.weights]
-    return model.checkpoint_quant
+def planned_model(profile: Profile, preset: ModelSpec) -> ModelSpec:
+    """The model `profile` is planned for, from a preset (`glmctl doctor`: no checkpoint on the
+    node yet), stored the way the profile says its checkpoint is."""
+    return preset.model_copy(update={"checkpoint_quant": _PROFILE_WEIGHTS[profile.model.weights]})
 
 
-def _plugin_block_size(launch: RenderedLaunch, model) -> int | None:
+def _plugin_block_size(profile: Profile, model: ModelSpec) -> int | None:
     """On vLLM CPU the plugin picks GLM-5.3-Flash's block size (from CPU_MLA's 16 up to the kpool
     indexer's rule); plan with what it will pick. On CUDA vLLM's own rules apply (planner)."""
-    if launch.profile.platform != "cpu":
+    if profile.platform != "cpu":
         return None
-    from glmctl.plugin.policy import kpool_block_size
+    from glmctl.kernels.layouts import kpool_block_size
 
     cpu_mla_block_size = 16
     return kpool_block_size(cpu_mla_block_size, model.index_kpool, model.index_head_dim)
 
 
-def _node(launch: RenderedLaunch, gpus, plan):
-    if launch.profile.platform == "cpu":
-        space = launch.env.get("VLLM_CPU_KVCACHE_SPACE")
-        return plan.cpu_node(float(space) if space else None)
+def profile_node(profile: Profile, gpus: list | None) -> NodeSpec | None:
+    """The node `profile` runs on: its first tensor-parallel-size GPUs of `gpus` (the smallest
+    memory of them), or vLLM CPU's fixed KV space; None without GPUs for a CUDA profile."""
+    if profile.platform == "cpu":
+        space = profile.env.get("VLLM_CPU_KVCACHE_SPACE")
+        return cpu_node(float(space) if space else None)
     if not gpus:
         return None
-    used = gpus[: launch.profile.tensor_parallel_size]
-    fixed = _size_bytes(launch.profile.vllm_args.get("kv-cache-memory-bytes"))
-    return plan.gpu_node(num_gpus=len(used), gpu_memory_gib=min(g.total_gib for g in used),
-                         kv_cache_gib=None if fixed is None else fixed / GIB)
+    used = gpus[: profile.tensor_parallel_size]
+    fixed = _size_bytes(profile.vllm_args.get("kv-cache-memory-bytes"))
+    return gpu_node(num_gpus=len(used), gpu_memory_gib=min(g.total_gib for g in used),
+                    kv_cache_gib=None if fixed is None else fixed / GIB)
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
@@ -118,32 +121,49 @@ def _size_bytes(value) -> int | None:
     return int(float(number) * scale)
 
 
-def _longest_single_request(launch: RenderedLaunch, plan, model, node, high: int) -> int:
+def _longest_single_request(profile: Profile, model: ModelSpec, node: NodeSpec, high: int) -> int:
     """The longest max_model_len for which one request fits (0 if none), by bisection."""
+    from glmctl.plan.capacity import plan_capacity
+
     low, best = 1024, 0
     while low <= high:
         mid = (low + high) // 2 // 1024 * 1024 or 1024
-        if plan.plan_capacity(model, node, _setup(launch, plan, model, mid)).fits:
+        if plan_capacity(model, node, profile_setup(profile, model, mid)).fits:
             best, low = mid, mid + 1024
         else:
             high = mid - 1024
     return best
 
 
-def predict(launch: RenderedLaunch, gpus: list | None = None) -> CapacityVerdict:
-    """The planner's prediction for `launch` on this node (or why there is none)."""
-    import glmctl.plan as plan
+def predict_for_checkpoint(profile: Profile, checkpoint: Path, gpus: list | None) -> CapacityVerdict:
+    """`predict` for the checkpoint `glmctl serve` was given, on `gpus` (preflight's)."""
+    from glmctl.plan.model import load_model_spec
 
-    prof = launch.profile
-    node = _node(launch, gpus, plan)
+    node = profile_node(profile, gpus)
     if node is None:
         return CapacityVerdict(available=False, note="no GPUs visible to plan for")
     try:
-        model = plan.load_model_spec(launch.model_dir)
-        result = plan.plan_capacity(model, node, _setup(launch, plan, model))
+        model = load_model_spec(checkpoint)
     except GlmctlError as exc:
-        return CapacityVerdict(available=False, note=f"the planner cannot plan this checkpoint: {exc.message}")
-    slots, length = prof.max_num_seqs, prof.max_model_len
+        return _cannot_plan(exc)
+    return predict(profile, model, node)
+
+
+def _cannot_plan(exc: GlmctlError) -> CapacityVerdict:
+    return CapacityVerdict(available=False, note=f"the planner cannot plan this checkpoint: {exc.message}")
+
+
+def predict(profile: Profile, model: ModelSpec, node: NodeSpec) -> CapacityVerdict:
+    """The planner's prediction for `profile` serving `model` on `node` (or why there is none);
+    a profile that cannot be planned raises (`profile_setup`)."""
+    from glmctl.plan.capacity import plan_capacity
+
+    setup = profile_setup(profile, model)
+    try:
+        result = plan_capacity(model, node, setup)
+    except GlmctlError as exc:
+        return _cannot_plan(exc)
+    slots, length = profile.max_num_seqs, profile.max_model_len
     drafter = (f" (with the DFlash2 drafter's K/V {result.drafter_kv.placement}ed)"
                if result.drafter_kv is not None else "")
     if result.fits and result.sessions_that_fit >= slots:
@@ -157,7 +177,7 @@ def predict(launch: RenderedLaunch, gpus: list | None = None) -> CapacityVerdict
         note = (f"the planner predicts {result.kv_tokens:,} KV tokens on {node.name}: "
                 f"{result.sessions_that_fit} session(s) of {length:,} tokens, not the profile's {slots}")
         return CapacityVerdict(True, False, result.kv_tokens, result.sessions_that_fit, note, closest)
-    longest = _longest_single_request(launch, plan, model, node, length)
+    longest = _longest_single_request(profile, model, node, length)
     closest = (f"max_model_len {longest:,} (one session)" if longest else
                "no max_model_len fits: more GPUs, an fp8 KV cache or 4-bit experts")
     short = f", short by {result.short_by_bytes / GIB:.2f} GiB per GPU" if result.short_by_bytes else ""

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from glmctl import switches
 from glmctl.errors import GlmctlError
-from glmctl.serving.plugin_switches import PLUGIN_ACTIVE
 
 # Start-up milestones in vLLM 0.30's log, in order, with the phase each one begins.
 _PHASES = [
@@ -103,10 +103,13 @@ class VllmProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # The supervisor's pid lets glmctl.serving.vllm_entry ask the kernel to stop vLLM if the
-        # supervisor is killed outright.
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1", "GLMCTL_SUPERVISOR_PID": str(os.getpid())}
-        env.pop(PLUGIN_ACTIVE, None)
+        # Hand-over variables are never inherited from whoever started glmctl (a server would
+        # activate for a model it was not shown). The supervisor's pid lets
+        # glmctl.serving.vllm_entry ask the kernel to stop vLLM if the supervisor is killed outright.
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        for name in switches.names(switches.HAND_OVER):
+            env.pop(name, None)
+        env["GLMCTL_SUPERVISOR_PID"] = str(os.getpid())
         self._started_at = time.monotonic()
         self._proc = subprocess.Popen(
             self.argv,

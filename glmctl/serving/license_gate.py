@@ -73,7 +73,6 @@ def evaluate(
     `record` is False (a dry run decides the same and writes nothing)."""
     gate = LicenseGate()
     flagged = {licenses.get_license(a).id for a in accept}
-    from_env = licenses.accepted_from_env()
     arts = artifacts(profile)
     dirs = [a.path for a in arts if a.path.is_dir()]
     holders: dict[str, list[Path]] = {}  # licence id -> the artifact directories it applies to
@@ -109,12 +108,11 @@ def evaluate(
     for lic in gate.in_play:
         if not lic.requires_acceptance:
             continue
-        via = "flag" if lic.id in flagged else "env" if lic.id in from_env else None
-        if via is None and (rec := licenses.find_acceptance(lic, dirs)) is not None:
-            gate.accepted[lic.id] = rec
+        # never ask about a launch that is refused anyway
+        via, earlier = licenses.acceptance(lic, accept, dirs, confirm=None if gate.refusals else confirm)
+        if earlier is not None:
+            gate.accepted[lic.id] = earlier
             continue
-        if via is None and not gate.refusals and confirm is not None and confirm(lic):
-            via = "prompt"
         if via is None:
             gate.missing.append(lic)
             continue
@@ -125,12 +123,9 @@ def evaluate(
                                                      text_sha256=lic.notice_sha256, via=via,
                                                      accepted_at=datetime.now(UTC))
             continue
-        rec = licenses.user_store().accept(lic, via)
         # Only next to the artifacts under this licence: a record next to an artifact reads as its
         # own declaration later (the drafter's licence must not become the checkpoint's).
-        for art_dir in dict.fromkeys(holders.get(lic.id, [])):
-            licenses.artifact_store(art_dir).accept(lic, via, artifact=art_dir)
-        gate.accepted[lic.id] = rec
+        gate.accepted[lic.id] = licenses.record_acceptance(lic, via, list(dict.fromkeys(holders.get(lic.id, []))))
         gate.recorded.append(lic)
     gate.unused_acceptances = sorted(flagged - {lic.id for lic in gate.in_play})
     return gate

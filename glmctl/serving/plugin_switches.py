@@ -1,26 +1,20 @@
-"""The environment switches of glmctl's vLLM plugin that a profile sets (one place for the names).
-
-Agreed with the plugin (see /work/notes/serve-plugin-switches.md while both are in flight):
-every vLLM process inherits these, and the plugin reads them in `register()`.
-"""
+"""The plugin switches a profile sets: every vLLM process inherits them from `vllm.env`, and the
+plugin reads them in `register()` (the names, values and parsers are `glmctl.switches`')."""
 
 from __future__ import annotations
 
+from glmctl import switches
 from glmctl.serving.schema import Profile
 
-PLUGIN = "GLMCTL_PLUGIN"  # auto (default) | on | off   (glmctl.plugin.policy.ENV_MODE)
-# The plugin's own hand-over to the processes vLLM spawns (glmctl.plugin.policy.ENV_ACTIVE): never
-# inherited from whoever starts vLLM, or a server would activate for a model it was not shown.
-PLUGIN_ACTIVE = "GLMCTL_PLUGIN_ACTIVE"
-COLLECTIVES = "GLMCTL_COLLECTIVES"  # vllm (default) | host-staged
-COLLECTIVES_INT8 = "GLMCTL_COLLECTIVES_INT8"  # off (default) | prefill
 
-
-def switches(profile: Profile) -> dict[str, str]:
-    """The plugin variables this profile needs; defaults are left unset."""
+def profile_switches(profile: Profile) -> dict[str, str]:
+    """The plugin variables this profile needs; defaults are left unset. Each value is one the
+    plugin's parser takes (checked here, so a rendered file never holds one it refuses)."""
     env = {}
     if profile.collectives.mode != "vllm":
-        env[COLLECTIVES] = profile.collectives.mode
+        env["GLMCTL_COLLECTIVES"] = profile.collectives.mode
     if profile.collectives.int8_prefill_all_reduce:
-        env[COLLECTIVES_INT8] = "prefill"
+        env["GLMCTL_COLLECTIVES_INT8"] = "prefill"
+    for name, value in env.items():
+        switches.parse(name, value)
     return env

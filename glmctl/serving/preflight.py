@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 from glmctl.errors import GlmctlError, LicenseError
 from glmctl.hub.licenses import License
-from glmctl.serving import license_gate
+from glmctl.serving import capacity, license_gate
 from glmctl.serving.artifacts import (
     ArtifactReport,
     max_positions,
     verify_checkpoint,
     weights_format,
 )
-from glmctl.serving.capacity import CapacityVerdict, predict
+from glmctl.serving.capacity import CapacityVerdict
 from glmctl.serving.render import RenderedLaunch
 from glmctl.serving.vllm_args import VllmCheck
 
@@ -210,7 +210,7 @@ def gpu_findings(profile, gpus: list) -> tuple[list[Finding], str | None]:
 
 
 def _gpus(launch: RenderedLaunch, report: PreflightReport) -> None:
-    from glmctl.serving.gpus import inventory
+    from glmctl.probe.gpus import inventory
 
     report.gpus = inventory()
     failures, summary = gpu_findings(launch.profile, report.gpus)
@@ -220,7 +220,7 @@ def _gpus(launch: RenderedLaunch, report: PreflightReport) -> None:
 
 
 def _capacity(launch: RenderedLaunch, report: PreflightReport) -> None:
-    verdict = predict(launch, report.gpus)
+    verdict = capacity.predict_for_checkpoint(launch.profile, launch.model_dir, report.gpus)
     report.capacity = verdict
     if not verdict.available:
         report.warnings.append(f"capacity not checked: {verdict.note}")

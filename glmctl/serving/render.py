@@ -188,19 +188,24 @@ def profile_licenses(profile: Profile) -> list[licenses.License]:
     return [licenses.get_license(i) for i in dict.fromkeys(ids)]
 
 
+def drafter_path(profile: Profile) -> Path:
+    """The DFlash2 drafter checkpoint of a dflash2 profile; ConfigError when it names none."""
+    assert profile.speculative.drafter is not None  # the schema guarantees it for dflash2
+    if profile.speculative.drafter.path is None:
+        raise ConfigError(
+            f"profile '{profile.name}' drafts with DFlash2 but names no drafter checkpoint",
+            hint="pass --drafter DIR, or set speculative.drafter.path in a user profile",
+        )
+    return Path(profile.speculative.drafter.path)
+
+
 def _speculative_config(profile: Profile) -> dict[str, Any] | None:
     spec = profile.speculative
     if spec.method == "none":
         return None
     if spec.method == "mtp":
         return {"method": "mtp", "num_speculative_tokens": spec.tokens}
-    assert spec.drafter is not None  # the schema guarantees it for dflash2
-    if spec.drafter.path is None:
-        raise ConfigError(
-            f"profile '{profile.name}' drafts with DFlash2 but names no drafter checkpoint",
-            hint="pass --drafter DIR, or set speculative.drafter.path in a user profile",
-        )
-    return {"method": "dflash", "model": str(spec.drafter.path), "num_speculative_tokens": spec.tokens}
+    return {"method": "dflash", "model": str(drafter_path(profile)), "num_speculative_tokens": spec.tokens}
 
 
 def render(
@@ -241,7 +246,7 @@ def render(
         config["compilation-config"] = compilation
     config.update(passthrough)
 
-    env = {**profile.env, **plugin_switches.switches(profile)}
+    env = {**profile.env, **plugin_switches.profile_switches(profile)}
     return RenderedLaunch(
         profile=profile, config=config, env=env, host=host, port=port, served_name=served,
         notices=profile_licenses(profile),

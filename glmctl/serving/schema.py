@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from glmctl.kernels.layouts import KvCacheDtype
+
 Weights = Literal["bf16", "fp8", "exl3"]
-KvCacheDtype = Literal["auto", "bfloat16", "fp8"]
 
 # vLLM flags rendered from typed fields -> the field to set instead.
 OWNED_FLAGS = {

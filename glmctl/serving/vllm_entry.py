@@ -15,7 +15,7 @@ import importlib.metadata as metadata
 import os
 import sys
 
-SUPERVISOR_ENV = "GLMCTL_SUPERVISOR_PID"
+from glmctl import switches
 
 
 def vllm_distribution_version() -> str | None:
@@ -48,7 +48,8 @@ def _answer_vllm_version_lookup() -> None:
 def _stop_with_supervisor() -> None:
     """Under `glmctl serve`, have the kernel send SIGTERM here if glmctl dies, even by SIGKILL,
     so that a killed supervisor never leaves a server (and its GPUs) running on its own."""
-    supervisor = os.environ.pop(SUPERVISOR_ENV, None)
+    supervisor = switches.read("GLMCTL_SUPERVISOR_PID")
+    os.environ.pop("GLMCTL_SUPERVISOR_PID", None)
     if not supervisor or not sys.platform.startswith("linux"):
         return
     import ctypes

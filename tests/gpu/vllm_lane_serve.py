@@ -118,8 +118,8 @@ def main(request: dict) -> dict:
 
 
 def _after_ready(report: dict, request: dict, doc: dict, ckpt: str) -> None:
+    from glmctl.probe.gpus import inventory
     from glmctl.serving import profiles
-    from glmctl.serving.gpus import inventory
 
     base = doc["endpoint"].removesuffix("/v1")
     report["completion"] = _completion(base, doc["model"])

@@ -134,11 +134,7 @@ def test_switch_off_or_cpu_platform_leaves_vllm_untouched(monkeypatch):
 
 
 def test_settings_name_the_bad_variable():
-    from glmctl.serving import plugin_switches
-
-    # the names and values `glmctl serve` renders into vllm.env are the ones read here
-    assert (plugin_switches.COLLECTIVES, plugin_switches.COLLECTIVES_INT8) == (cw.ENV_MODE, cw.ENV_INT8)
-    s = cw.settings_from_env({cw.ENV_MODE: "host-staged", cw.ENV_INT8: "prefill"})
+    s = cw.settings_from_env({"GLMCTL_COLLECTIVES": "host-staged", "GLMCTL_COLLECTIVES_INT8": "prefill"})
     assert s.mode == "host-staged" and s.int8_prefill
     s = cw.settings_from_env({})
     assert (s.mode, s.int8_prefill, s.int8_min_bytes, s.max_bytes) == ("vllm", False, 4 * MiB, None)

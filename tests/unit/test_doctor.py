@@ -176,20 +176,16 @@ def test_shipped_profiles_judged_for_the_synthetic_l40_node():
 
 
 def test_preset_planning_uses_the_profiles_weight_format():
-    import dataclasses
-
+    from glmctl.plan import load_model_spec
     from glmctl.serving import capacity, profiles
-    from glmctl.serving import render as rendering
-    from glmctl.serving.gpus import Gpu
+    from tests.unit.fake_gpus import gpu
 
-    gpus = [Gpu(i, "NVIDIA L40", (8, 9), 44.99, 44.99) for i in range(8)]
+    gpus = [gpu(i, "NVIDIA L40", (8, 9), 44.99) for i in range(8)]
+    preset = load_model_spec("glm-5.3-flash")
     commercial = profiles.load("commercial")
     as_fp8 = commercial.model_copy(update={"model": commercial.model.model_copy(update={"weights": "fp8"})})
-    verdicts = []
-    for prof in (commercial, as_fp8):
-        launch = rendering.render(rendering.with_paths(prof, model=Path("glm-5.3-flash")))
-        launch = dataclasses.replace(launch, config={**launch.config, "model": "glm-5.3-flash"})
-        verdicts.append(capacity.predict(launch, gpus))
+    verdicts = [capacity.predict(prof, capacity.planned_model(prof, preset), capacity.profile_node(prof, gpus))
+                for prof in (commercial, as_fp8)]
     assert verdicts[0].fits and verdicts[0].sessions_fit == 8
     assert not verdicts[1].fits  # FP8 experts leave no room for 8 x 256k sessions
 

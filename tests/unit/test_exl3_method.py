@@ -35,8 +35,9 @@ def test_registration_respects_the_switch_and_is_idempotent(monkeypatch):
 
     from glmctl.plugin.exl3_config import Exl3ExpertsConfig, register_exl3_quantization
 
-    monkeypatch.setenv("GLMCTL_EXL3", "off")
-    assert register_exl3_quantization() is False
+    for off in ("off", "no", "0", "False"):
+        monkeypatch.setenv("GLMCTL_EXL3", off)
+        assert register_exl3_quantization() is False
     monkeypatch.delenv("GLMCTL_EXL3")
     assert register_exl3_quantization() and register_exl3_quantization()
     assert QUANTIZATION_METHODS.count("glmctl_exl3") == 1

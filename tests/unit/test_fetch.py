@@ -179,7 +179,6 @@ def test_no_network(fetch_cli, tmp_path):
 def test_not_enough_disk_is_refused_before_downloading(hub, tmp_path, monkeypatch):
     import shutil
 
-    from glmctl._cli.output import Mode, Output
     from glmctl.hub import download, fetching
 
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
@@ -187,7 +186,7 @@ def test_not_enough_disk_is_refused_before_downloading(hub, tmp_path, monkeypatc
     monkeypatch.setattr(download.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 90, 10))
     with pytest.raises(download.DiskSpaceError, match="GiB needed"):
         fetching.fetch("org/tiny", repo=None, revision=None, include=[], exclude=[], local_dir=tmp_path / "x",
-                       accept=[], hash_contents=True, jobs=1, out=Output(Mode.quiet))
+                       accept=[], hash_contents=True, jobs=1)
     assert not _gets(hub, "/resolve/")
 
 

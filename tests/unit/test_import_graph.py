@@ -118,19 +118,31 @@ def test_relative_and_deferred_imports_are_edges(tmp_path):
     assert imported_names("p.a", pkg / "a.py") == {"p.b", "p.b.y"}
 
 
-# Circles to break (move the shared piece below both sides: the eval commands' shared options into
-# `_cli/options.py`, kpool top-k's config and selection helpers into a module both sides import).
-# Listed so that every other circle fails here; an entry that is no longer a circle fails too, so the list only shrinks.
-CIRCLES_TO_BREAK = [
-    ["glmctl.commands.eval", "glmctl.commands.eval_humaneval", "glmctl.commands.eval_kld"],
-    ["glmctl.kernels.kpool_topk", "glmctl.kernels.kpool_topk_threshold"],
-]
-
-
 def test_glmctl_has_no_import_circles():
     found = circles(import_graph())
-    new = [c for c in found if c not in CIRCLES_TO_BREAK]
-    assert new == [], "import circles (break each: move the shared piece below both sides):\n" + \
-        "\n".join(" <-> ".join(c) for c in new)
-    gone = [c for c in CIRCLES_TO_BREAK if c not in found]
-    assert gone == [], f"no longer circles, delete them from CIRCLES_TO_BREAK: {gone}"
+    assert found == [], "import circles (break each: move the shared piece below both sides):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+CLI = ("glmctl.app", "glmctl._cli", "glmctl.commands", "glmctl.__main__")
+
+
+def _is_under(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_libraries_do_not_import_the_cli():
+    """Libraries speak through callbacks (`glmctl.feedback`), never through the CLI's Output."""
+    graph = import_graph()
+    found = sorted(f"{m} -> {t}" for m, targets in graph.items() if not _is_under(m, CLI)
+                   for t in targets if _is_under(t, CLI))
+    assert found == [], "a library imports the CLI:\n" + "\n".join(found)
+
+
+def test_the_planner_and_serving_read_no_plugin_policy():
+    """The KV layout rules both sides use live below both (`glmctl.kernels.layouts`)."""
+    graph = import_graph()
+    found = sorted(f"{m} -> {t}" for m, targets in graph.items()
+                   if _is_under(m, ("glmctl.plan", "glmctl.serving")) for t in targets
+                   if t == "glmctl.plugin.policy")
+    assert found == [], "\n".join(found)

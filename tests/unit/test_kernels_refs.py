@@ -333,7 +333,7 @@ def test_kpool_mtp_rejections_keep_every_pool_exact_with_the_policy_ring(drafts)
     """Verify steps that accept 0..drafts drafts, with rejected drafts crossing pool boundaries:
     with the plugin's ring (kpool + drafts - 1 slots) every final pool is the compression of its
     true tokens; vLLM's one-pool ring loses an accepted token to a rejected draft."""
-    from glmctl.plugin.policy import kpool_tail_ring
+    from glmctl.kernels.layouts import kpool_tail_ring
 
     torch.manual_seed(torch.seed() % 2**31)
     total, prefill = 64, 6

@@ -352,3 +352,14 @@ def test_fp8_attention_of_a_converted_checkpoint(tiny_checkpoint, tmp_path):
     assert load_model_spec(out).fp8_attention == ["kda", "mla"]
     (out / "model.safetensors.index.json").unlink()  # then from the shard headers
     assert load_model_spec(out).fp8_attention == ["kda", "mla"]
+
+
+def test_the_fp8_ds_mla_note_gives_the_layouts_bytes():
+    from glmctl.kernels.layouts import FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES
+
+    from glmctl.plan import gpu_node, load_model_spec, plan_capacity
+
+    plan = plan_capacity(load_model_spec("glm-5.3-flash"), gpu_node(num_gpus=8, gpu_memory_gib=44.4),
+                         _setup(kv_cache_dtype="fp8_ds_mla"))
+    assert any(f"stores {FP8_DS_MLA_ROW_BYTES} bytes per token" in n and n.endswith(f"stores {FP8_ROW_BYTES}")
+               for n in plan.notes)

@@ -95,7 +95,7 @@ def test_h200_mtp3_run_layout_is_exact(rank):
     tokens for "22.49 GiB": 2,518 blocks of 184 per request, the only count that prints as 22.49."""
     import math
 
-    from glmctl.plugin.policy import kpool_tail_ring
+    from glmctl.kernels.layouts import kpool_tail_ring
 
     layout = kv_cache_layout(rank, tp=1, kv_cache_dtype="fp8", num_spec=3, mtp_layers=1, prefix_caching=False,
                              kernel_block_size=16)

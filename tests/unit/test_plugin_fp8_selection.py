@@ -69,15 +69,15 @@ def test_fits_block_is_vllms_block_shape_rule(rows, cols, split, want):
 def test_method_kind_defaults_by_platform_and_rejects_typos():
     assert sel.method_kind(True, {}) == "dequant"
     assert sel.method_kind(False, {}) == "vllm"
-    assert sel.method_kind(True, {sel.ENV_METHOD: " VLLM "}) == "vllm"
-    assert sel.method_kind(False, {sel.ENV_METHOD: "dequant"}) == "dequant"
-    with pytest.raises(ValueError, match="not vllm or dequant"):
-        sel.method_kind(False, {sel.ENV_METHOD: "fp8"})
+    assert sel.method_kind(True, {"GLMCTL_FP8_ATTENTION_METHOD": " VLLM "}) == "vllm"
+    assert sel.method_kind(False, {"GLMCTL_FP8_ATTENTION_METHOD": "dequant"}) == "dequant"
+    with pytest.raises(ValueError, match="is not one of auto, vllm, dequant"):
+        sel.method_kind(False, {"GLMCTL_FP8_ATTENTION_METHOD": "fp8"})
 
 
 @pytest.mark.parametrize(("env", "off"), [
-    ({}, False), ({sel.ENV_SWITCH: "off"}, True), ({sel.ENV_SWITCH: "on"}, False),
-    ({"GLMCTL_PLUGIN": "0"}, True), ({sel.ENV_SWITCH: "False"}, True),
+    ({}, False), ({"GLMCTL_FP8_ATTENTION": "off"}, True), ({"GLMCTL_FP8_ATTENTION": "on"}, False),
+    ({"GLMCTL_PLUGIN": "0"}, True), ({"GLMCTL_FP8_ATTENTION": "False"}, True),
 ])
 def test_switched_off(env, off):
     assert sel.switched_off(env) is off

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from glmctl.kernels.layouts import kpool_block_size, kpool_tail_ring
 
 from glmctl.plugin.policy import (
     MhcPath,
@@ -12,8 +13,6 @@ from glmctl.plugin.policy import (
     decide_mhc_path,
     decide_platform,
     is_glm5_next,
-    kpool_block_size,
-    kpool_tail_ring,
 )
 
 
@@ -128,7 +127,7 @@ def test_decide_mhc_path_refuses_bad_values():
 
 
 def test_kpool_indexer_alignment_is_a_multiple_of_both_rules():
-    from glmctl.plugin.policy import kpool_indexer_alignment
+    from glmctl.kernels.layouts import kpool_indexer_alignment
 
     assert kpool_indexer_alignment(16, 128, 0, 512) == 1024  # CUDA, no drafts: the tail ring needs 1,024
     assert kpool_indexer_alignment(16, 128, 3, 512) == 1536  # MTP-3: 18-slot ring

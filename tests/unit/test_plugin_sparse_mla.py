@@ -21,7 +21,7 @@ _modules = import_interpreted(
 )
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
 
-from glmctl.kernels.layouts import kv_format_of_cache_dtype  # noqa: E402
+from glmctl.kernels.layouts import kv_format, normalise_kv_cache_dtype  # noqa: E402
 
 from glmctl.plugin.kernel_table import sparse_mla_kernels  # noqa: E402
 from glmctl.plugin.policy import Target  # noqa: E402
@@ -48,11 +48,12 @@ def _interpreter(monkeypatch):
 
 
 def test_kv_cache_dtype_to_layout():
-    assert kv_format_of_cache_dtype("auto") == "bf16"
-    assert kv_format_of_cache_dtype("fp8") == kv_format_of_cache_dtype("fp8_e4m3") == "fp8"
-    assert kv_format_of_cache_dtype("fp8_ds_mla") == "fp8_ds_mla"
+    assert kv_format("auto").name == kv_format("bf16").name == "bf16"
+    assert kv_format("fp8") == kv_format("fp8_e4m3") and kv_format("fp8").row_bytes == 512
+    assert kv_format("fp8_ds_mla").row_bytes == 656 and kv_format("bfloat16").row_bytes == 1024
+    assert normalise_kv_cache_dtype(" BF16 ") == "bfloat16" and normalise_kv_cache_dtype("fp8_e4m3") == "fp8"
     with pytest.raises(ValueError, match="fp8_e5m2"):
-        kv_format_of_cache_dtype("fp8_e5m2")
+        kv_format("fp8_e5m2")
 
 
 def test_decode_batch_sizes_cover_capture_sizes_and_the_eager_ladder():

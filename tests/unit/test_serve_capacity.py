@@ -8,12 +8,13 @@ import json
 import pytest
 
 from glmctl import paths
+from glmctl.plan import load_model_spec
 from glmctl.plan.presets import PRESETS
 from glmctl.serving import capacity, preflight, profiles, render
-from glmctl.serving.gpus import Gpu
 from tests.conftest import REPO
+from tests.unit.fake_gpus import gpu
 
-L40 = [Gpu(i, "NVIDIA L40", (8, 9), 44.4, 44.3) for i in range(8)]  # CUDA-visible 44.4 GiB
+L40 = [gpu(i, "NVIDIA L40", (8, 9), 44.4, 44.3) for i in range(8)]  # CUDA-visible 44.4 GiB
 
 
 @pytest.fixture
@@ -28,8 +29,12 @@ def _launch(name: str, model):
     return render.render(render.with_paths(profiles.load(name), model=model))
 
 
+def _predict(launch, gpus=None):
+    return capacity.predict_for_checkpoint(launch.profile, launch.model_dir, gpus)
+
+
 def test_commercial_fits_eight_256k_sessions_on_8xL40(exl3_config):
-    verdict = capacity.predict(_launch("commercial", exl3_config), L40)
+    verdict = _predict(_launch("commercial", exl3_config), L40)
     assert verdict.available and verdict.fits and verdict.sessions_fit == 8
     assert verdict.kv_tokens >= 8 * 262_144  # the report measured 2,847,055 for this stack
 
@@ -38,7 +43,7 @@ def test_asking_for_more_sessions_than_fit_names_the_closest_setting(exl3_config
     paths.user_profiles().mkdir(parents=True)
     (paths.user_profiles() / "greedy.yaml").write_text("extends: commercial\nmax_num_seqs: 16\n")
     launch = _launch("greedy", exl3_config)
-    verdict = capacity.predict(launch, L40)
+    verdict = _predict(launch, L40)
     assert verdict.available and not verdict.fits
     assert 8 <= verdict.sessions_fit < 16
     assert f"max_num_seqs {verdict.sessions_fit} at max_model_len 262,144" in verdict.closest
@@ -53,8 +58,8 @@ def test_asking_for_more_sessions_than_fit_names_the_closest_setting(exl3_config
 
 
 def test_too_few_gpus_for_one_request_says_so(exl3_config):
-    verdict = capacity.predict(_launch("commercial", exl3_config), [Gpu(i, "RTX 4090", (8, 9), 23.6, 23.5)
-                                                                    for i in range(8)])
+    verdict = _predict(_launch("commercial", exl3_config), [gpu(i, "RTX 4090", (8, 9), 23.6, 23.5)
+                                                            for i in range(8)])
     assert verdict.available and not verdict.fits and verdict.kv_tokens == 0
     assert "not even one request of 262,144 tokens" in verdict.note or "rejects" in verdict.note
     assert verdict.closest
@@ -62,30 +67,30 @@ def test_too_few_gpus_for_one_request_says_so(exl3_config):
 
 def test_no_prediction_for_a_model_the_planner_does_not_know(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    verdict = capacity.predict(_launch("tiny-cpu", tmp_path))
+    verdict = _predict(_launch("tiny-cpu", tmp_path))
     assert not verdict.available and "cannot plan this checkpoint" in verdict.note
 
 
 def test_no_gpus_no_prediction(exl3_config):
-    verdict = capacity.predict(_launch("commercial", exl3_config), [])
+    verdict = _predict(_launch("commercial", exl3_config), [])
     assert not verdict.available and "no GPUs" in verdict.note
 
 
 def test_a_fixed_kv_space_is_planned_as_vllm_splits_it(tmp_path):
     """`kv-cache-memory-bytes` (the gpu lane's tiny-gpu profile): vLLM skips its memory profile
     and splits exactly that space, so the prediction is the planner's for that fixed space."""
-    import glmctl.plan as plan
-    from glmctl.plan import gpu_node, load_model_spec, plan_capacity
+    from glmctl.plan import gpu_node, plan_capacity
     from glmctl.testing.tiny_checkpoint import TinySpec, hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config(TinySpec(), {"stop_token_ids": [0], "pad_token_id": 0})))
     launch = _launch(str(REPO / "tests" / "gpu" / "tiny-gpu.yaml"), tmp_path)
-    h200 = [Gpu(0, "NVIDIA H200", (9, 0), 139.8, 139.0)]
-    verdict = capacity.predict(launch, h200)
+    h200 = [gpu(0, "NVIDIA H200", (9, 0), 139.8, 139.0)]
+    verdict = _predict(launch, h200)
     fixed = launch.profile.vllm_args["kv-cache-memory-bytes"]
     model = load_model_spec(tmp_path)
-    node = gpu_node(num_gpus=1, gpu_memory_gib=139.8, kv_cache_gib=fixed / 2**30)
-    expected = plan_capacity(model, node, capacity._setup(launch, plan, model))
+    node = gpu_node(num_gpus=1, gpu_memory_gib=h200[0].total_gib, kv_cache_gib=fixed / 2**30)
+    assert capacity.profile_node(launch.profile, h200) == node
+    expected = plan_capacity(model, node, capacity.profile_setup(launch.profile, model))
     assert verdict.available and verdict.fits and verdict.kv_tokens == expected.kv_tokens
     assert expected.kv_pool_bytes == fixed
     assert capacity._size_bytes("1G") == 2**30 and capacity._size_bytes("1g") == 10**9

@@ -101,7 +101,7 @@ def test_an_acceptance_is_recorded_only_beside_the_artifacts_under_that_licence(
 
 
 def test_acceptance_by_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(licenses.ACCEPT_ENV, f"{NC}, {SHAPLEY}")
+    monkeypatch.setenv("GLMCTL_ACCEPT_LICENSES", f"{NC}, {SHAPLEY}")
     prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
     gate = license_gate.evaluate(prof)
     assert gate.ok and gate.accepted[NC].via == "env"
@@ -123,7 +123,7 @@ def test_commercial_refuses_a_noncommercial_drafter_whatever_else_is_set(tmp_pat
         f"extends: commercial\nspeculative:\n  method: dflash2\n  tokens: 5\n  drafter:\n    licenses: [{NC}]\n"
     )
     licenses.user_store().accept(licenses.get_license(NC), "flag")  # even with a record
-    monkeypatch.setenv(licenses.ACCEPT_ENV, NC)  # and the environment
+    monkeypatch.setenv("GLMCTL_ACCEPT_LICENSES", NC)  # and the environment
     launch = _launch("sneaky", tmp_path, model=tmp_path / "m", drafter=tmp_path / "d")
     with pytest.raises(LicenseError, match="forbids commercial use"):
         preflight.run(launch, accept=[NC, SHAPLEY], confirm=lambda lic: True)
@@ -144,13 +144,51 @@ def test_serve_without_a_terminal_exits_2_and_names_the_flag(run_cli, tmp_path):
 
 
 def test_fetch_and_serve_share_one_record(tmp_path):
-    from glmctl._cli.output import Mode, Output
     from glmctl.hub.license_gate import require_license
 
-    require_license(NC, accept=[NC], artifact="dflash2", record_dir=tmp_path, out=Output(Mode.quiet))
+    require_license(NC, accept=[NC], artifact="dflash2", record_dir=tmp_path)
     prof = render.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path)
     gate = license_gate.evaluate(prof, accept=[SHAPLEY])
     assert NC in gate.accepted and not gate.missing
+
+
+def test_one_acceptance_order_for_fetch_and_serve(tmp_path, monkeypatch):
+    """Flag, then GLMCTL_ACCEPT_LICENSES, then an earlier record, then the operator's answer."""
+    monkeypatch.delenv("GLMCTL_ACCEPT_LICENSES", raising=False)
+    nc = licenses.get_license(NC)
+    asked = []
+
+    def ask(lic):
+        asked.append(lic.id)
+        return True
+
+    assert licenses.acceptance(nc, [NC], [tmp_path], confirm=ask) == ("flag", None)
+    monkeypatch.setenv("GLMCTL_ACCEPT_LICENSES", NC)
+    assert licenses.acceptance(nc, [], [tmp_path], confirm=ask) == ("env", None)
+    monkeypatch.delenv("GLMCTL_ACCEPT_LICENSES")
+    assert licenses.acceptance(nc, [], [tmp_path]) == (None, None) and not asked
+    assert licenses.acceptance(nc, [], [tmp_path], confirm=ask) == ("prompt", None) and asked == [NC]
+    licenses.record_acceptance(nc, "prompt", [tmp_path], artifact="dflash2")
+    via, earlier = licenses.acceptance(nc, [], [tmp_path], confirm=ask)
+    assert via is None and earlier.via == "prompt" and asked == [NC]
+
+
+def test_fetch_asks_through_its_callback_and_refuses_a_no(tmp_path):
+    from glmctl.feedback import Feedback
+    from glmctl.hub.license_gate import decide_license
+
+    notes = []
+    no = Feedback(note=notes.append, confirm=lambda lic: False)
+    with pytest.raises(LicenseError, match="not accepted; nothing was downloaded"):
+        decide_license(NC, accept=[], artifact="dflash2", record_dir=tmp_path, feedback=no)
+    assert any("dflash2 is licensed under" in n for n in notes)
+    with pytest.raises(LicenseError, match="must be accepted before download"):
+        decide_license(NC, accept=[], artifact="dflash2", record_dir=tmp_path)  # nobody to ask
+    yes = Feedback(confirm=lambda lic: True)
+    decision = decide_license(NC, accept=[], artifact="dflash2", record_dir=tmp_path, feedback=yes)
+    assert decision.via == "prompt" and not paths.licenses().exists()  # recorded only by `record`
+    decision.record(artifact="dflash2", record_dir=tmp_path)
+    assert (paths.licenses() / f"{NC}.json").is_file() and (tmp_path / ".glmctl" / f"license-{NC}.json").is_file()
 
 
 def test_on_a_terminal_serve_asks_and_records_the_acceptance(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from glmctl.serving import preflight, profiles, render
 from glmctl.serving.artifacts import verify_checkpoint
-from glmctl.serving.gpus import Gpu
+from tests.unit.fake_gpus import gpu
 
 
 def _checkpoint(root, shards: int = 2, index: bool = True):
@@ -72,8 +72,8 @@ def test_port_problem_sees_a_listener():
     assert preflight.port_problem("127.0.0.1", port) is None
 
 
-def _l40(i: int, free: float = 44.5) -> Gpu:
-    return Gpu(i, "NVIDIA L40", (8, 9), 44.99, free)
+def _l40(i: int, free: float = 44.5):
+    return gpu(i, "NVIDIA L40", (8, 9), 44.99, free)
 
 
 def test_gpus_meeting_the_commercial_profile():
@@ -85,8 +85,8 @@ def test_gpus_meeting_the_commercial_profile():
     ("gpus", "expected"),
     [
         ([_l40(i) for i in range(4)], "needs 8 GPUs; 4 visible"),
-        ([Gpu(i, "Tesla V100", (7, 0), 31.7, 31.0) for i in range(8)], "compute capability >= 8.0"),
-        ([Gpu(i, "RTX A4000", (8, 6), 15.7, 15.5) for i in range(8)], "needs 44 GiB per GPU"),
+        ([gpu(i, "Tesla V100", (7, 0), 31.7, 31.0) for i in range(8)], "compute capability >= 8.0"),
+        ([gpu(i, "RTX A4000", (8, 6), 15.7, 15.5) for i in range(8)], "needs 44 GiB per GPU"),
         ([_l40(0, free=10.0)] + [_l40(i) for i in range(1, 8)], "GPU 0 (10.0 of 45.0 GiB free)"),
     ],
 )

@@ -95,19 +95,22 @@ def test_run_foreground_forwards_sigterm_and_returns_vllms_status(tmp_path, monk
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
 
 
-def test_plugin_switch_names_are_the_plugins_own():
-    from glmctl.plugin import policy
+def test_a_profiles_switches_are_what_the_plugin_reads():
+    from glmctl.plugin.communicator import settings_from_env
     from glmctl.serving import plugin_switches
 
-    assert plugin_switches.PLUGIN == policy.ENV_MODE
-    assert plugin_switches.PLUGIN_ACTIVE == policy.ENV_ACTIVE
+    env = plugin_switches.profile_switches(profiles.load("commercial"))
+    settings = settings_from_env(env)
+    assert env and (settings.mode, settings.int8_prefill) == ("host-staged", True)
 
 
-def test_the_plugins_hand_over_variable_is_not_inherited(tmp_path, monkeypatch):
+def test_the_plugins_hand_over_variables_are_not_inherited(tmp_path, monkeypatch):
     monkeypatch.setenv("GLMCTL_PLUGIN_ACTIVE", "glm5_next")
+    monkeypatch.setenv("GLMCTL_FP8_ATTENTION_ACTIVE", "1")
     out = tmp_path / "env.txt"
-    code = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('GLMCTL_PLUGIN_ACTIVE', 'unset'))"
+    code = ("import os, sys; open(sys.argv[1], 'w').write(' '.join(os.environ.get(k, 'unset') for k in "
+            "('GLMCTL_PLUGIN_ACTIVE', 'GLMCTL_FP8_ATTENTION_ACTIVE', 'GLMCTL_SUPERVISOR_PID')))")
     proc = VllmProcess([sys.executable, "-c", code, str(out)], {"X": "1"}, tmp_path / "log")
     proc.start()
     assert proc.wait(timeout=60) == 0
-    assert out.read_text() == "unset"
+    assert out.read_text() == f"unset unset {os.getpid()}"
