@@ -239,3 +239,27 @@ def test_bounds_checker_catches_an_access_past_a_view():
     shifted_copy[(1,)](base[:8], out, SHIFT=0)
     with pytest.raises((OutOfBounds, InterpreterError), match="load at byte \\+32 of argument 'src'"):
         shifted_copy[(1,)](base[:8], out, SHIFT=1)
+
+
+@interpreted
+@pytest.mark.slow
+def test_moe_decode_at_the_bench_routing_stays_inside_its_buffers():
+    """The bench's routing (288 experts, top-8) at a small hidden size, bounds-checked: 9 tokens
+    (72 slots, not a multiple of the 16-slot runs), the last expert in every token's top-8 (its
+    9 slots in one run at the end of the table), experts with no tokens, split4's counters."""
+    experts, hidden, inter, top_k, tokens = 288, 256, 128, 8, 9
+    gate, up, down = _layer(experts, hidden, inter, seed=31)
+    g = torch.Generator().manual_seed(32)
+    scores = torch.rand(tokens, experts, generator=g)
+    scores[:, experts - 1] += 2.0
+    w, ids = scores.topk(top_k, dim=-1)
+    ids, w = ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    ws = moe_mod.DecodeWorkspace("cpu", hidden, inter, top_k, experts)
+    clamped = torch.zeros((), dtype=torch.int64)
+    y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws, moe_mod.DECODE_CONFIGS["split4"])
+    ref = moe_mod.exl3_moe_decode_ref(x, ids, w, gate, up, down, 10.0)
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+    assert int(ws.meta[0]) == len(ids.unique())  # one run per touched expert at 9 tokens
+    assert int(ws.run_e[int(ws.meta[0]) - 1]) == experts - 1 and int(ws.run_n[int(ws.meta[0]) - 1]) == tokens
+    assert int(ws.counters.abs().sum()) == 0
