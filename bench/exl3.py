@@ -250,8 +250,9 @@ def run(args) -> dict:
 
 
 def agreement(torch, paths, names: list[str], device) -> dict:
-    """Relative difference of every EXL3 path from exl3_coop, and of coop and the Triton path from
-    the dequantised torch reference (exllamav3's reconstruct of the touched experts)."""
+    """Relative difference of every EXL3 path from exl3_coop, and of coop (and the Triton path,
+    where it was selected) from the dequantised torch reference (exllamav3's reconstruct of the
+    touched experts). Only selected paths run: a path that faults takes the process with it."""
     from glmctl.plugin.exl3_experts import dequantize, moe_reference
 
     layer = paths.exl3
@@ -276,7 +277,7 @@ def agreement(torch, paths, names: list[str], device) -> dict:
                     full[e] = dequantize(*p.expert(e), 4)
                 deq.append(full)
             want = moe_reference(x.half().float(), ids, w, *deq, layer.act_limit)
-            for name in ("exl3_coop", "exl3_triton"):
+            for name in ("exl3_coop", *(["exl3_triton"] if "exl3_triton" in names else [])):
                 fn, _, _ = paths.get(name, [(x, ids, w)])
                 out.setdefault("vs_dequantised_T8", {})[name] = float((fn(x, ids, w, 0).float() - want).norm()
                                                                       / want.norm())

@@ -172,31 +172,31 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
     woff, poff = _word_offsets(ROW_WORDS, BKT)
     gbase = gtr_ptr + e * gtr_stride + nb * 256
     ubase = utr_ptr + e * utr_stride + nb * 256
-    a_ptrs = xrot_ptr + slot[None, :] * (2 * H) + tl.arange(0, BLOCK_K)[:, None]
-    acc_g0 = tl.zeros((64, ROWS), dtype=tl.float32)
-    acc_g1 = tl.zeros((64, ROWS), dtype=tl.float32)
-    acc_u0 = tl.zeros((64, ROWS), dtype=tl.float32)
-    acc_u1 = tl.zeros((64, ROWS), dtype=tl.float32)
+    a_ptrs = xrot_ptr + slot[:, None] * (2 * H) + tl.arange(0, BLOCK_K)[None, :]
+    acc_g0 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    acc_g1 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    acc_u0 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    acc_u1 = tl.zeros((ROWS, 64), dtype=tl.float32)
     KB: tl.constexpr = H // BLOCK_K // SPLIT_K
     for i in range(KB):
         kb = ks * KB + i
         koff = kb * (BKT * ROW_WORDS)
-        at_g = tl.load(a_ptrs + kb * BLOCK_K, mask=valid[None, :], other=0.0)
-        at_u = tl.load(a_ptrs + H + kb * BLOCK_K, mask=valid[None, :], other=0.0)
+        at_g = tl.load(a_ptrs + kb * BLOCK_K, mask=valid[:, None], other=0.0)
+        at_u = tl.load(a_ptrs + H + kb * BLOCK_K, mask=valid[:, None], other=0.0)
         w = tl.load(gbase + koff + woff).to(tl.uint32, bitcast=True)
         p = tl.load(gbase + koff + poff).to(tl.uint32, bitcast=True)
-        acc_g0 = tl.dot(decode_tile_half(w, p, 0, 8, BKT, FAST), at_g, acc_g0)
-        acc_g1 = tl.dot(decode_tile_half(w, p, 1, 8, BKT, FAST), at_g, acc_g1)
+        acc_g0 = tl.dot(at_g, tl.trans(decode_tile_half(w, p, 0, 8, BKT, FAST)), acc_g0)
+        acc_g1 = tl.dot(at_g, tl.trans(decode_tile_half(w, p, 1, 8, BKT, FAST)), acc_g1)
         w = tl.load(ubase + koff + woff).to(tl.uint32, bitcast=True)
         p = tl.load(ubase + koff + poff).to(tl.uint32, bitcast=True)
-        acc_u0 = tl.dot(decode_tile_half(w, p, 0, 8, BKT, FAST), at_u, acc_u0)
-        acc_u1 = tl.dot(decode_tile_half(w, p, 1, 8, BKT, FAST), at_u, acc_u1)
+        acc_u0 = tl.dot(at_u, tl.trans(decode_tile_half(w, p, 0, 8, BKT, FAST)), acc_u0)
+        acc_u1 = tl.dot(at_u, tl.trans(decode_tile_half(w, p, 1, 8, BKT, FAST)), acc_u1)
     half_row = tl.arange(0, 64)
-    pbase = part_ptr + ks * part_split_stride + slot[None, :] * (2 * INTER) + nb * 128
-    tl.store(pbase + _n_of_half_row(half_row, 0)[:, None], acc_g0, mask=valid[None, :])
-    tl.store(pbase + _n_of_half_row(half_row, 1)[:, None], acc_g1, mask=valid[None, :])
-    tl.store(pbase + INTER + _n_of_half_row(half_row, 0)[:, None], acc_u0, mask=valid[None, :])
-    tl.store(pbase + INTER + _n_of_half_row(half_row, 1)[:, None], acc_u1, mask=valid[None, :])
+    pbase = part_ptr + ks * part_split_stride + slot[:, None] * (2 * INTER) + nb * 128
+    tl.store(pbase + _n_of_half_row(half_row, 0)[None, :], acc_g0, mask=valid[:, None])
+    tl.store(pbase + _n_of_half_row(half_row, 1)[None, :], acc_g1, mask=valid[:, None])
+    tl.store(pbase + INTER + _n_of_half_row(half_row, 0)[None, :], acc_u0, mask=valid[:, None])
+    tl.store(pbase + INTER + _n_of_half_row(half_row, 1)[None, :], acc_u1, mask=valid[:, None])
     tl.debug_barrier()
     if SPLIT_K > 1:  # only the last split to arrive goes on
         counter = ctr_ptr + r * (INTER // 128) + nb
@@ -204,33 +204,34 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
             return
         tl.atomic_xchg(counter, 0)  # ready for the next call
     # finish the 128-column block, as 64-halves (H128 [g0; g1] = [H64 (g0 + g1); H64 (g0 - g1)]),
-    # in fp16 operands like exllamav3's fp16 gate/up scratch
+    # in fp16 operands like exllamav3's fp16 gate/up scratch; rows are slots, so every product
+    # below is [ROWS, 64] x [64, 64] (H64 is symmetric: x H64 = (H64 x^T)^T)
     i = tl.arange(0, 64)
-    g0 = tl.zeros((64, ROWS), dtype=tl.float32)
-    g1 = tl.zeros((64, ROWS), dtype=tl.float32)
-    u0 = tl.zeros((64, ROWS), dtype=tl.float32)
-    u1 = tl.zeros((64, ROWS), dtype=tl.float32)
+    g0 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    g1 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    u0 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    u1 = tl.zeros((ROWS, 64), dtype=tl.float32)
     for q in tl.static_range(SPLIT_K):
-        src = part_ptr + q * part_split_stride + slot[None, :] * (2 * INTER) + nb * 128 + i[:, None]
-        g0 += tl.load(src, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        g1 += tl.load(src + 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        u0 += tl.load(src + INTER, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        u1 += tl.load(src + INTER + 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+        src = part_ptr + q * part_split_stride + slot[:, None] * (2 * INTER) + nb * 128 + i[None, :]
+        g0 += tl.load(src, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        g1 += tl.load(src + 64, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        u0 += tl.load(src + INTER, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        u1 += tl.load(src + INTER + 64, mask=valid[:, None], other=0.0, cache_modifier=".cg")
     had = _hadamard(i, i).to(tl.float16)
     col = nb * 128 + i
     gs = gsvh_ptr + e * gsvh_stride + col
     us = usvh_ptr + e * usvh_stride + col
     ds = dsuh_ptr + e * dsuh_stride + col
-    a0 = _swiglu(tl.dot(had, (g0 + g1).to(tl.float16)) * (tl.load(gs).to(tl.float32) * _INV128)[:, None],
-                 tl.dot(had, (u0 + u1).to(tl.float16)) * (tl.load(us).to(tl.float32) * _INV128)[:, None],
-                 act_limit) * tl.load(ds).to(tl.float32)[:, None]
-    a1 = _swiglu(tl.dot(had, (g0 - g1).to(tl.float16)) * (tl.load(gs + 64).to(tl.float32) * _INV128)[:, None],
-                 tl.dot(had, (u0 - u1).to(tl.float16)) * (tl.load(us + 64).to(tl.float32) * _INV128)[:, None],
-                 act_limit) * tl.load(ds + 64).to(tl.float32)[:, None]
-    hp = _hadamard(_k_of_kprime(i), i).to(tl.float16)  # [k', i] = H64[k(k'), i]: rows in k' order
-    dst = act_ptr + slot[None, :] * INTER + col[:, None]
-    tl.store(dst, (tl.dot(hp, (a0 + a1).to(tl.float16)) * _INV128).to(tl.float16), mask=valid[None, :])
-    tl.store(dst + 64, (tl.dot(hp, (a0 - a1).to(tl.float16)) * _INV128).to(tl.float16), mask=valid[None, :])
+    a0 = _swiglu(tl.dot((g0 + g1).to(tl.float16), had) * (tl.load(gs).to(tl.float32) * _INV128)[None, :],
+                 tl.dot((u0 + u1).to(tl.float16), had) * (tl.load(us).to(tl.float32) * _INV128)[None, :],
+                 act_limit) * tl.load(ds).to(tl.float32)[None, :]
+    a1 = _swiglu(tl.dot((g0 - g1).to(tl.float16), had) * (tl.load(gs + 64).to(tl.float32) * _INV128)[None, :],
+                 tl.dot((u0 - u1).to(tl.float16), had) * (tl.load(us + 64).to(tl.float32) * _INV128)[None, :],
+                 act_limit) * tl.load(ds + 64).to(tl.float32)[None, :]
+    hp = _hadamard(i, _k_of_kprime(i)).to(tl.float16)  # [i, k'] = H64[i, k(k')]: columns in k' order
+    dst = act_ptr + slot[:, None] * INTER + col[None, :]
+    tl.store(dst, (tl.dot((a0 + a1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=valid[:, None])
+    tl.store(dst + 64, (tl.dot((a0 - a1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=valid[:, None])
 
 
 @triton.jit
@@ -254,35 +255,36 @@ def _down_kernel(act_ptr, dtr_ptr, dtr_stride, dsvh_ptr, dsvh_stride, rw_ptr, or
     BKT: tl.constexpr = BLOCK_K // 16
     ROW_WORDS: tl.constexpr = (H // 16) * 32
     woff, poff = _word_offsets(ROW_WORDS, BKT)
-    a_ptrs = act_ptr + slot[None, :] * INTER + tl.arange(0, BLOCK_K)[:, None]
+    a_ptrs = act_ptr + slot[:, None] * INTER + tl.arange(0, BLOCK_K)[None, :]
     scale = tl.load(rw_ptr + slot, mask=valid, other=0.0).to(tl.float32) * _INV128
-    # output Hadamard from the two column-half accumulators: with A[j, n''] = H64[j, n(0, n'') % 64],
-    # D = (-1)^bit3(j) (half 1 sits 8 columns right) and S = -1 on the right 64 columns (n'' >= 32):
-    # y[:64] = A acc0 + D A acc1, y[64:] = A S acc0 + D A S acc1
+    # output Hadamard from the two column-half accumulators (rows: slots, columns: n''): with
+    # A[n'', j] = H64[n(0, n'') % 64, j], D = (-1)^bit3(j) (half 1 sits 8 columns right) and
+    # S = diag(-1 on n'' >= 32, the right 64 columns): y[:, :64] = acc0 A + D (acc1 A),
+    # y[:, 64:] = acc0 S A + D (acc1 S A)
     i = tl.arange(0, 64)
-    amat = _hadamard(i, _n_of_half_row(i, 0) % 64)
-    dsign = (1 - 2 * ((i // 8) % 2)).to(tl.float32)[:, None]
-    ssign = tl.where(i < 32, 1.0, -1.0)[:, None]
+    amat = _hadamard(_n_of_half_row(i, 0) % 64, i)
+    amat_s = amat * tl.where(i < 32, 1.0, -1.0)[:, None]
+    dsign = (1 - 2 * ((i // 8) % 2)).to(tl.float32)[None, :]
     for sub in range(BLOCK_N2 // 128):
         col0 = nb * BLOCK_N2 + sub * 128
         base = dtr_ptr + e * dtr_stride + (col0 // 16) * 32
-        acc0 = tl.zeros((64, ROWS), dtype=tl.float32)
-        acc1 = tl.zeros((64, ROWS), dtype=tl.float32)
+        acc0 = tl.zeros((ROWS, 64), dtype=tl.float32)
+        acc1 = tl.zeros((ROWS, 64), dtype=tl.float32)
         for kb in range(INTER // BLOCK_K):
             koff = kb * (BKT * ROW_WORDS)
-            at = tl.load(a_ptrs + kb * BLOCK_K, mask=valid[None, :], other=0.0)
+            at = tl.load(a_ptrs + kb * BLOCK_K, mask=valid[:, None], other=0.0)
             w = tl.load(base + koff + woff).to(tl.uint32, bitcast=True)
             p = tl.load(base + koff + poff).to(tl.uint32, bitcast=True)
-            acc0 = tl.dot(decode_tile_half(w, p, 0, 8, BKT, FAST), at, acc0)
-            acc1 = tl.dot(decode_tile_half(w, p, 1, 8, BKT, FAST), at, acc1)
-        top = (tl.dot(amat, acc0, input_precision="tf32")
-               + dsign * tl.dot(amat, acc1, input_precision="tf32"))
-        bot = (tl.dot(amat, acc0 * ssign, input_precision="tf32")
-               + dsign * tl.dot(amat, acc1 * ssign, input_precision="tf32"))
+            acc0 = tl.dot(at, tl.trans(decode_tile_half(w, p, 0, 8, BKT, FAST)), acc0)
+            acc1 = tl.dot(at, tl.trans(decode_tile_half(w, p, 1, 8, BKT, FAST)), acc1)
+        top = (tl.dot(acc0, amat, input_precision="tf32")
+               + dsign * tl.dot(acc1, amat, input_precision="tf32"))
+        bot = (tl.dot(acc0, amat_s, input_precision="tf32")
+               + dsign * tl.dot(acc1, amat_s, input_precision="tf32"))
         sv = dsvh_ptr + e * dsvh_stride + col0 + i
-        dst = y_ptr + slot[None, :] * H + col0 + i[:, None]
-        tl.store(dst, top * tl.load(sv).to(tl.float32)[:, None] * scale[None, :], mask=valid[None, :])
-        tl.store(dst + 64, bot * tl.load(sv + 64).to(tl.float32)[:, None] * scale[None, :], mask=valid[None, :])
+        dst = y_ptr + slot[:, None] * H + col0 + i[None, :]
+        tl.store(dst, top * tl.load(sv).to(tl.float32)[None, :] * scale[:, None], mask=valid[:, None])
+        tl.store(dst + 64, bot * tl.load(sv + 64).to(tl.float32)[None, :] * scale[:, None], mask=valid[:, None])
 
 
 @triton.jit

@@ -22,10 +22,15 @@ def decode_path_from_env() -> str:
 
 
 def pick_decode_path(tokens: int, top_k: int, bits: float, triton_ok: bool) -> str:
-    """The rule `auto` follows: exllamav3's coop kernel at every decode size (the path whose
-    figures are in bench/results/exl3-h200.md; the others are selectable by name)."""
+    """The rule `auto` follows: exllamav3's coop kernel with its inputs prepared in one launch
+    (coop_lean) at every decode size. On the H200 (bench/results/exl3-h200.md, CUDA graphs, one
+    TP8 rank of GLM-5.3-Flash) it was the fastest path measured at every size: 32.6 / 133 / 374 /
+    601 us at 1 / 8 / 32 / 48 tokens against coop's 43 / 150 / 393 / 626 (the same kernels; the
+    seven torch conversions around them cost the difference). The Triton path is not picked: it
+    has no measured figures yet. Sizes beyond the coop kernel's slots fall through to exl3_moe
+    in the caller, whatever the rule says."""
     del tokens, top_k, bits, triton_ok
-    return "coop"
+    return "coop_lean"
 
 
 class TritonDecode:

@@ -5,7 +5,9 @@ The torch reference decode is checked against a packer written from exllamav3 1.
 halves of each uint32 swapped); the Triton decode (TRITON_INTERPRET=1) against the reference on
 random words; the whole MoE kernel pipeline against the reference layer at tiny shapes, including
 runs cut from a heavy expert, split-k counters that must reset between calls, and the fp16
-range count."""
+range count. Every kernel run here is bounds-checked (tests/unit/triton_bounds): each load, store
+and atomic of every active lane must land inside the tensors the launch was given, which the
+plain interpreter does not check (it reads whatever lies at the address)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from glmctl.kernels.triton_env import import_interpreted, run_in_fresh_interpreter_process  # noqa: E402
+
+from tests.unit.triton_bounds import OutOfBounds, bounds_checked  # noqa: E402
 
 _modules = import_interpreted("glmctl.kernels.exl3_trellis", "glmctl.kernels.exl3_moe_decode",
                               "glmctl.kernels.exl3_coop_io")
@@ -29,6 +33,11 @@ def test_in_fresh_process():
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if _modules is None:
+        yield
+        return
+    with bounds_checked():
+        yield
 
 
 def pack_tile(symbols: list[int], bits: int) -> list[int]:
@@ -195,3 +204,62 @@ def test_coop_inputs_match_the_torch_conversions(dtype):
         assert g.dtype == r.dtype and torch.equal(g[~g.isnan()] if g.is_floating_point() else g,
                                                   r[~r.isnan()] if r.is_floating_point() else r)
     assert int(got_n) == int(want_n) == (2 if dtype == torch.bfloat16 else 0)
+
+
+@interpreted
+@pytest.mark.slow
+def test_moe_decode_at_the_tp8_slice_shape_stays_inside_its_buffers():
+    """The call that faulted on the H200 (gpu test: T=1, top-2 over 8 experts, hidden 4096, 256
+    channels, the T=1 default split8) under the bounds-checked interpreter: every access lands
+    inside its tensors, so the fault was not the kernels' index arithmetic."""
+    experts, hidden, inter, top_k, tokens = 8, 4096, 256, 2, 1
+    gate, up, down = _layer(experts, hidden, inter, seed=21)
+    ids, w = _routing(tokens, experts, top_k, seed=22)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(23)).bfloat16()
+    ws = moe_mod.DecodeWorkspace("cpu", hidden, inter, top_k, experts)
+    clamped = torch.zeros((), dtype=torch.int64)
+    y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws)
+    ref = moe_mod.exl3_moe_decode_ref(x, ids, w, gate, up, down, 10.0)
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+    assert int(ws.counters.abs().sum()) == 0
+
+
+@interpreted
+def test_bounds_checker_catches_an_access_past_a_view():
+    """The checker itself: one element past a view of a larger storage is caught (the plain
+    interpreter would read the storage's next element)."""
+    from triton.runtime.interpreter import InterpreterError
+
+    @triton.jit
+    def shifted_copy(src, dst, SHIFT: tl.constexpr):
+        i = tl.arange(0, 8)
+        tl.store(dst + i, tl.load(src + i + SHIFT))
+
+    base, out = torch.arange(16.0), torch.zeros(8)
+    shifted_copy[(1,)](base[:8], out, SHIFT=0)
+    with pytest.raises((OutOfBounds, InterpreterError), match="load at byte \\+32 of argument 'src'"):
+        shifted_copy[(1,)](base[:8], out, SHIFT=1)
+
+
+@interpreted
+@pytest.mark.slow
+def test_moe_decode_at_the_bench_routing_stays_inside_its_buffers():
+    """The bench's routing (288 experts, top-8) at a small hidden size, bounds-checked: 9 tokens
+    (72 slots, not a multiple of the 16-slot runs), the last expert in every token's top-8 (its
+    9 slots in one run at the end of the table), experts with no tokens, split4's counters."""
+    experts, hidden, inter, top_k, tokens = 288, 256, 128, 8, 9
+    gate, up, down = _layer(experts, hidden, inter, seed=31)
+    g = torch.Generator().manual_seed(32)
+    scores = torch.rand(tokens, experts, generator=g)
+    scores[:, experts - 1] += 2.0
+    w, ids = scores.topk(top_k, dim=-1)
+    ids, w = ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    ws = moe_mod.DecodeWorkspace("cpu", hidden, inter, top_k, experts)
+    clamped = torch.zeros((), dtype=torch.int64)
+    y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws, moe_mod.DECODE_CONFIGS["split4"])
+    ref = moe_mod.exl3_moe_decode_ref(x, ids, w, gate, up, down, 10.0)
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+    assert int(ws.meta[0]) == len(ids.unique())  # one run per touched expert at 9 tokens
+    assert int(ws.run_e[int(ws.meta[0]) - 1]) == experts - 1 and int(ws.run_n[int(ws.meta[0]) - 1]) == tokens
+    assert int(ws.counters.abs().sum()) == 0

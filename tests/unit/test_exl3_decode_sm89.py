@@ -1,8 +1,12 @@
 """Every launch of the EXL3 decode path (glmctl.kernels.exl3_moe_decode, exl3_coop_io) fits Ada:
 cross-compiled for sm_89 at GLM-5.3-Flash's TP8 shape with `triton.compile`, <= 99 KB of shared
 memory per program, no Hopper wgmma, no register spills, and the trellis decode compiled to the
-instructions it was written for (32-bit multiply, dp4a). Runs in a fresh process: the unit lane's
-kernel tests load the kernels into the interpreter, which cannot compile."""
+instructions it was written for (32-bit multiply, dp4a). The same kernels compiled for sm_90 (the
+H200 stand-in) must not use wgmma either: every product has the run's 16 slots as M, below
+wgmma's 64, so Hopper runs the mma.sync code Ada runs. (With 64 weight columns as M, the gate/up
+and down kernels compiled to wgmma on sm_90, and the H200 runs faulted in them with Triton 3.6
+while the mma.sync prologue ran.) Runs in a fresh process: the unit lane's kernel tests load the
+kernels into the interpreter, which cannot compile."""
 
 from __future__ import annotations
 
@@ -29,14 +33,15 @@ SCRIPT = textwrap.dedent("""
                     dict(x_ptr="*bf16", x_stride="i64", ids_ptr="*i32", w_ptr="*fp32", x16_ptr="*fp16",
                          ids64_ptr="*i64", w16_ptr="*fp16", clamp_ptr="*i64"),
                     dict(H=4096, TOPK=8, TOPK_PAD=8, BLOCK=1024, CHECK=True), dict(num_warps=4)))
-    for name, fn, types, constexprs, options in configs:
+    hopper = [c for c in configs if c[0].startswith(("exl3_decode_gate_up", "exl3_decode_down"))]
+    for arch, (name, fn, types, constexprs, options) in [(89, c) for c in configs] + [(90, c) for c in hopper]:
         names = fn.arg_names
         signature = {n: types.get(n, "constexpr") for n in names}
         src = ASTSource(fn=fn, signature=signature,
                         constexprs={(names.index(k),): v for k, v in constexprs.items()})
-        k = triton.compile(src, target=GPUTarget("cuda", 89, 32), options=options)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         ptx = k.asm["ptx"]
-        print(json.dumps({"kernel": name, "shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
+        print(json.dumps({"kernel": name, "arch": arch, "shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
                           "local_loads": ptx.count("ld.local"), "dp4a": ptx.count("dp4a.u32.u32"),
                           "mul32": ptx.count("mul.lo.s32") + ptx.count("mul.lo.u32")}), flush=True)
 """)
@@ -52,6 +57,7 @@ def test_exl3_decode_kernels_fit_sm89():
     kinds = {row["kernel"].split("[")[0] for row in rows}
     assert kinds >= {"exl3_decode_prologue", "exl3_decode_gate_up", "exl3_decode_down", "exl3_decode_combine",
                      "exl3_coop_inputs"}
+    assert {row["arch"] for row in rows} == {89, 90}
     for row in rows:
         assert 0 <= row["shared"] <= SM89_SHARED_LIMIT, row
         assert not row["wgmma"] and row["local_loads"] == 0, row

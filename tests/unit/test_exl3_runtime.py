@@ -263,3 +263,33 @@ def test_pointer_tables_follow_strided_expert_views(fake):
     assert table.tolist() == [w13[e, 1].data_ptr() for e in range(3)]
     with pytest.raises(ValueError, match="contiguous"):
         rt._pointer_table(w13.transpose(2, 3)[:, 0])
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 8), (8, 8), (32, 8), (48, 8), (64, 8), (3, 2)])
+def test_auto_picks_coop_lean_at_every_decode_size(tokens, top_k):
+    from glmctl.plugin.exl3_decode import pick_decode_path
+
+    assert pick_decode_path(tokens, top_k, 4.0, triton_ok=True) == "coop_lean"
+    assert pick_decode_path(tokens, top_k, 3.0, triton_ok=False) == "coop_lean"
+
+
+def test_auto_runs_the_coop_kernel_with_inputs_prepared_once_and_exl3_moe_past_it(fake, monkeypatch):
+    """The default layer (auto) runs coop_lean: one coop call, inputs from coop_inputs (not the
+    torch conversions of `coop`); past two coop calls' tokens it runs exl3_moe."""
+    import glmctl.kernels.exl3_coop_io as coop_io
+    import torch
+
+    prepared, converted = [], []
+    real_inputs, real_fp16 = coop_io.coop_inputs, rt.to_fp16_checked
+    monkeypatch.setattr(coop_io, "coop_inputs", lambda *a: prepared.append(a[0].shape[0]) or real_inputs(*a))
+    monkeypatch.setattr(rt, "to_fp16_checked", lambda *a: converted.append(a[0].shape[0]) or real_fp16(*a))
+    moe = _layer(fake, decode="auto")
+    x = torch.randn(5, 256).bfloat16()
+    ids, w = _routing(5, 6, 2, 4)
+    y = moe(x, ids, w)
+    assert prepared == [5] and converted == [] and fake.coop_calls == 1 and not fake.launches
+    assert _rel(y, _reference(moe, x, ids, w)) < 1e-2
+    x = torch.randn(257, 256).bfloat16()
+    ids, w = _routing(257, 6, 2, 6)
+    moe(x, ids, w)
+    assert prepared == [5] and converted == [257] and fake.coop_calls == 1 and fake.launches
