@@ -164,7 +164,7 @@ class Rig:
     def __init__(self, world: int, max_bytes: int, engines, timeout_s: float = 5.0):
         import torch
 
-        from glmctl.collectives.communicator import PinnedSegment
+        from glmctl.collectives.host_staged_communicator import PinnedSegment
         from glmctl.collectives.cuda_driver import driver
         from glmctl.collectives.plan import slot_capacity
         from glmctl.collectives.segment import SharedSegment
@@ -204,7 +204,7 @@ class Rig:
     def _rank(self, r: int, max_bytes: int, engines, timeout_s: float) -> None:
         import torch
 
-        from glmctl.collectives.communicator import HostStagedCommunicator
+        from glmctl.collectives.host_staged_communicator import HostStagedCommunicator
 
         torch.cuda.set_device(0)
         stream = torch.cuda.Stream()

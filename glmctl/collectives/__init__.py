@@ -31,7 +31,7 @@ from glmctl.collectives.errors import (
 from glmctl.collectives.plan import CollectivePlan, CopyEngines, plan_all_gather, plan_all_reduce
 
 if TYPE_CHECKING:
-    from glmctl.collectives.communicator import HostStagedCommunicator
+    from glmctl.collectives.host_staged_communicator import HostStagedCommunicator
 
 __all__ = [
     "CaptureMismatchError",
@@ -51,7 +51,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "HostStagedCommunicator":
-        from glmctl.collectives.communicator import HostStagedCommunicator
+        from glmctl.collectives.host_staged_communicator import HostStagedCommunicator
 
         return HostStagedCommunicator
     raise AttributeError(name)

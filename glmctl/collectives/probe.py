@@ -22,7 +22,7 @@ def time_collectives(rank: int, world: int, session: str, sizes: list[int],
     import torch
 
     torch.cuda.set_device(0 if shared_gpu else rank)
-    from glmctl.collectives.communicator import HostStagedCommunicator
+    from glmctl.collectives.host_staged_communicator import HostStagedCommunicator
 
     comm = HostStagedCommunicator(rank, world, session, max(sizes), timeout_s=60)
     rows = []

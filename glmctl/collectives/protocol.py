@@ -10,7 +10,7 @@ destination writes 0. Two halves:
 A barrier is arrive + await on one stream. A call is B0 (previous call's reads done), payload
 out, B1 (payloads in), reads, and for two-shot B2 (reduced chunks in) and reads.
 
-Why the reset by the reader is safe, and why a call needs B0 besides B1, is in `communicator.py`;
+Why the reset by the reader is safe, and why a call needs B0 besides B1, is in `host_staged_communicator.py`;
 `tests/unit/test_collectives_protocol.py` checks it on every interleaving a random scheduler
 finds, with each stream's writes delivered late but in order.
 """

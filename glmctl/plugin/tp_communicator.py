@@ -349,7 +349,7 @@ def _route(dc, ca: HostStagedCustomAllreduce) -> None:
 
 
 def make_communicator(**kwargs):
-    from glmctl.collectives.communicator import HostStagedCommunicator
+    from glmctl.collectives.host_staged_communicator import HostStagedCommunicator
 
     return HostStagedCommunicator(**kwargs)
 
