@@ -25,7 +25,7 @@ def doctor(
     """
     from glmctl._cli.output import Output
     from glmctl.probe import doctor as probe_doctor
-    from glmctl.probe.render import render
+    from glmctl.probe.doctor_tables import render
     from glmctl.probe.verdict import decide
     from glmctl.serving.profiles import find
 

@@ -110,20 +110,20 @@ def plan(
     Exit code 1 when the setup does not fit (the plan is still printed), 2 for bad options.
     """
     from glmctl._cli.output import Output
-    from glmctl.plan import render
+    from glmctl.plan import plan_tables
 
     out = Output.from_flags(json_)
     if reproduce_report:
         from glmctl.plan.report import reproduce_report as reproduce
 
         result = reproduce()
-        out.result(result, render=lambda console: render.render_report(result, console))
+        out.result(result, render=lambda console: plan_tables.render_report(result, console))
         return
     if predict is not None:
         from glmctl.plan.node_prediction import load_measured_run, predict_node
 
         prediction = predict_node(load_measured_run(predict))
-        out.result(prediction, render=lambda console: render.render_prediction(prediction, console))
+        out.result(prediction, render=lambda console: plan_tables.render_prediction(prediction, console))
         return
 
     from glmctl.plan import cpu_node, gpu_node, load_model_spec, plan_capacity
@@ -156,7 +156,7 @@ def plan(
         block_size=block_size,
     )
     result = plan_capacity(spec, node, setup)
-    out.result(result, render=lambda console: render.render_plan(result, console))
+    out.result(result, render=lambda console: plan_tables.render_plan(result, console))
     if not result.fits:
         out.warn(result.reason or "does not fit")
         raise typer.Exit(1)

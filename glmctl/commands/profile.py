@@ -56,7 +56,7 @@ def show(name: NameArg, json_: JsonOpt = False) -> None:
     """Print a profile as glmctl resolves it (`extends` applied, defaults filled in; secrets as ***)."""
     from glmctl._cli.output import Output
     from glmctl.serving import profiles
-    from glmctl.serving.render import masked
+    from glmctl.serving.launch_files import masked
 
     out = Output.from_flags(json_)
     prof = profiles.load(name)
@@ -131,13 +131,13 @@ def render_cmd(
     The files in --out stand alone: command.sh runs `vllm serve --config vllm.yaml` from its own directory, so the directory can be copied to another machine (with glmctl installed there, its plugin loads through vLLM's entry point). Printed without --out, secrets show as ***; in --out, vllm.env (and vllm.yaml when it holds a key) is readable by its owner only.
     """
     from glmctl._cli.output import Output
-    from glmctl.serving import profiles, render
+    from glmctl.serving import launch_files, profiles
 
     out = Output.from_flags(json_)
-    prof = render.with_paths(profiles.load(name), model=model, drafter=drafter)
-    launch = render.render(prof, host=host, port=port)
+    prof = launch_files.with_paths(profiles.load(name), model=model, drafter=drafter)
+    launch = launch_files.render(prof, host=host, port=port)
     if out_dir is not None:
-        files = render.write(launch, out_dir)
+        files = launch_files.write(launch, out_dir)
         result = {"config": files.config, "env": files.env, "command_file": files.command,
                   "notices": files.notices, "command": files.command_line}
 
@@ -150,8 +150,8 @@ def render_cmd(
 
         out.result(result, draw)
         return
-    config, env = Path(render.CONFIG_NAME), Path(render.ENV_NAME)
-    result = {"config": render.masked(launch.config), "env": render.masked(launch.env),
+    config, env = Path(launch_files.CONFIG_NAME), Path(launch_files.ENV_NAME)
+    result = {"config": launch_files.masked(launch.config), "env": launch_files.masked(launch.env),
               "command": launch.command(config, env)}
 
     def draw_inline(console) -> None:

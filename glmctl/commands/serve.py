@@ -95,16 +95,16 @@ def _escape(text: str) -> str:
 
 def _dry_run(out, server) -> None:
     from glmctl.hub.licenses import describe
-    from glmctl.serving import render
+    from glmctl.serving import launch_files
 
     launch, run_dir = server.launch, server.run_dir
-    config, env = run_dir / render.CONFIG_NAME, run_dir / render.ENV_NAME
+    config, env = run_dir / launch_files.CONFIG_NAME, run_dir / launch_files.ENV_NAME
     result = {
         "profile": launch.profile.name,
         "command": launch.command(config, env),
         "argv": launch.argv(config),
-        "config": render.masked(launch.config),
-        "env": render.masked(launch.env),
+        "config": launch_files.masked(launch.config),
+        "env": launch_files.masked(launch.env),
         "licenses": [describe(lic) for lic in launch.notices],
         "advisories": launch.profile.advisories(),
         "preflight": {"passed": server.report.passed, "warnings": server.report.warnings},

@@ -13,7 +13,7 @@ Modules: `model` (ModelSpec), `node` (NodeSpec, GPU table), `setup` (ServingSetu
 (vLLM's exact block/page/capacity rules), `weights`, `reserve`, `capacity` (plan_capacity),
 `report` (the field report's five KV pools), `rank` (one TP rank as a TP1 model and its weights),
 `node_prediction` / `node_prefill` / `rank_sim_records` (`glmctl plan --predict`: a rank step
-measured on another GPU -> predicted 8x L40 cells), `render` (Rich tables for the CLI).
+measured on another GPU -> predicted 8x L40 cells), `plan_tables` (Rich tables for the CLI).
 """
 
 from glmctl.plan.capacity import CapacityPlan, plan_capacity, sessions_that_fit

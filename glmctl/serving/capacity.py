@@ -17,7 +17,7 @@ from glmctl.errors import GlmctlError
 from glmctl.plan.model import ModelSpec
 from glmctl.plan.node import NodeSpec, cpu_node, gpu_node
 from glmctl.plan.setup import ServingSetup, Speculative, WeightFormats, load_drafter
-from glmctl.serving.render import drafter_path
+from glmctl.serving.launch_files import drafter_path
 from glmctl.serving.schema import Profile
 
 GIB = 1 << 30

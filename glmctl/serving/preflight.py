@@ -23,7 +23,7 @@ from glmctl.serving.artifacts import (
     weights_format,
 )
 from glmctl.serving.capacity import CapacityVerdict
-from glmctl.serving.render import RenderedLaunch
+from glmctl.serving.launch_files import RenderedLaunch
 from glmctl.serving.vllm_args import VllmCheck
 
 

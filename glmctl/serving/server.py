@@ -20,7 +20,7 @@ from pathlib import Path
 from glmctl import paths
 from glmctl.hub.licenses import License
 from glmctl.serving import preflight as preflight_mod
-from glmctl.serving import profiles, render
+from glmctl.serving import launch_files, profiles
 from glmctl.serving.capacity import CapacityVerdict
 from glmctl.serving.launch import KvCapacity, VllmProcess
 from glmctl.serving.schema import Profile
@@ -46,7 +46,7 @@ class ServerInfo:
     notices: list[License] = field(default_factory=list)
 
 
-def free_port(host: str = render.DEFAULT_HOST) -> int:
+def free_port(host: str = launch_files.DEFAULT_HOST) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -61,7 +61,7 @@ class Server:
 
     def __init__(
         self,
-        launch: render.RenderedLaunch,
+        launch: launch_files.RenderedLaunch,
         run_dir: Path,
         report: preflight_mod.PreflightReport | None = None,
         on_line: Callable[[str], None] | None = None,
@@ -69,7 +69,7 @@ class Server:
         self.launch = launch
         self.run_dir = Path(run_dir)
         self.report = report
-        self.files: render.RenderedFiles | None = None
+        self.files: launch_files.RenderedFiles | None = None
         self.process: VllmProcess | None = None
         self.info: ServerInfo | None = None
         self.stopping = False
@@ -83,7 +83,7 @@ class Server:
         should_stop: Callable[[], bool] | None = None,
     ) -> ServerInfo | None:
         """Render into the run directory, start vLLM, wait for /health. None if `should_stop` fired."""
-        self.files = render.write(self.launch, self.run_dir)
+        self.files = launch_files.write(self.launch, self.run_dir)
         log = self.run_dir / LOG_NAME
         log.unlink(missing_ok=True)
         self.process = VllmProcess(self.launch.argv(self.files.config), self.launch.env, log,
@@ -142,8 +142,8 @@ def prepare(
     *,
     model: Path | None = None,
     drafter: Path | None = None,
-    host: str = render.DEFAULT_HOST,
-    port: int | None = render.DEFAULT_PORT,
+    host: str = launch_files.DEFAULT_HOST,
+    port: int | None = launch_files.DEFAULT_PORT,
     accept: list[str] = (),
     confirm: Callable[[License], bool] | None = None,
     run_dir: Path | None = None,
@@ -157,8 +157,8 @@ def prepare(
     A dry run is this with `record=False`: the same checks, no licence acceptance recorded.
     """
     prof = profile if isinstance(profile, Profile) else profiles.load(profile)
-    prof = render.with_paths(prof, model=model, drafter=drafter)
-    launch = render.render(prof, host=host, port=free_port(host) if port is None else port)
+    prof = launch_files.with_paths(prof, model=model, drafter=drafter)
+    launch = launch_files.render(prof, host=host, port=free_port(host) if port is None else port)
     report = preflight_mod.run(launch, accept=list(accept), confirm=confirm, record=record) if check else None
     return Server(launch, run_dir or run_dir_for(prof, launch.port), report, on_line=on_line)
 

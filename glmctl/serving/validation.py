@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmctl.errors import ConfigError
-from glmctl.serving import license_gate, profiles, render
+from glmctl.serving import launch_files, license_gate, profiles
 from glmctl.serving.schema import Profile
 
 PLACEHOLDER_MODEL = Path("/placeholder/checkpoint")
@@ -39,7 +39,7 @@ def with_placeholders(prof: Profile) -> Profile:
     drafter = None
     if prof.speculative.drafter is not None and prof.speculative.drafter.path is None:
         drafter = PLACEHOLDER_DRAFTER
-    return render.with_paths(prof, model=model, drafter=drafter)
+    return launch_files.with_paths(prof, model=model, drafter=drafter)
 
 
 def validate(name_or_path: str, use_vllm: bool | None = None) -> ValidationReport:
@@ -60,7 +60,7 @@ def validate(name_or_path: str, use_vllm: bool | None = None) -> ValidationRepor
 
     from glmctl.serving import vllm_args
 
-    launch = render.render(with_placeholders(prof))
+    launch = launch_files.render(with_placeholders(prof))
     table = vllm_args.shipped_flags()
     report.checked_by.append(f"vLLM {table.vllm_version} flag list")
     report.errors += [f"vllm_args: {p}" for p in table.problems(launch.config)]

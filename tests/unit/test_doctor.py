@@ -30,7 +30,7 @@ def load(name: str) -> DoctorReport:
 def test_every_recorded_report_still_parses_and_renders():
     from rich.console import Console
 
-    from glmctl.probe.render import render
+    from glmctl.probe.doctor_tables import render
 
     files = sorted(FIXTURES.glob("*.json"))
     assert len(files) >= 2

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from glmctl import paths
 from glmctl.errors import GlmctlError
-from glmctl.serving import profiles, render
+from glmctl.serving import launch_files, profiles
 from glmctl.serving.validation import validate, with_placeholders
 from tests.unit.cli_inproc import run_glmctl
 
@@ -52,7 +52,7 @@ def test_any_profile_yaml_gives_a_profile_or_a_sentence(capsys, document):
         assert exc.exit_code == 2 and exc.message
         return
     try:
-        render.render(with_placeholders(prof))
+        launch_files.render(with_placeholders(prof))
     except GlmctlError as exc:
         assert exc.exit_code == 2
     report = validate("prop", use_vllm=False)

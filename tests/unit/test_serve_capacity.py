@@ -10,7 +10,7 @@ import pytest
 from glmctl import paths
 from glmctl.plan import load_model_spec
 from glmctl.plan.presets import PRESETS
-from glmctl.serving import capacity, preflight, profiles, render
+from glmctl.serving import capacity, launch_files, preflight, profiles
 from tests.conftest import REPO
 from tests.unit.fake_gpus import gpu
 
@@ -26,7 +26,7 @@ def exl3_config(tmp_path):
 
 
 def _launch(name: str, model):
-    return render.render(render.with_paths(profiles.load(name), model=model))
+    return launch_files.render(launch_files.with_paths(profiles.load(name), model=model))
 
 
 def _predict(launch, gpus=None):

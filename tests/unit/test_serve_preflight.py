@@ -13,7 +13,7 @@ import socket
 import numpy as np
 import pytest
 
-from glmctl.serving import preflight, profiles, render
+from glmctl.serving import launch_files, preflight, profiles
 from glmctl.serving.artifacts import verify_checkpoint
 from tests.unit.fake_gpus import gpu
 
@@ -100,9 +100,9 @@ def test_preflight_failures_are_listed_with_fixes_and_exit_codes(tmp_path):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        prof = render.with_paths(profiles.load("tiny-cpu"), model=tmp_path / "missing")
+        prof = launch_files.with_paths(profiles.load("tiny-cpu"), model=tmp_path / "missing")
         with pytest.raises(preflight.PreflightError) as err:
-            preflight.run(render.render(prof, port=port))
+            preflight.run(launch_files.render(prof, port=port))
     text = err.value.message
     assert "checkpoint directory" in text and "does not exist" in text and "--model" in text
     assert f"port {port} on 127.0.0.1 is already in use" in text and "--port" in text
@@ -129,9 +129,9 @@ def test_cli_missing_checkpoint(run_cli, tmp_path):
 def test_a_context_longer_than_the_checkpoint_allows_is_refused(tmp_path):
     ckpt = _checkpoint(tmp_path / "c")
     (ckpt / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
-    prof = render.with_paths(profiles.load("tiny-cpu"), model=ckpt)  # max_model_len 8192
+    prof = launch_files.with_paths(profiles.load("tiny-cpu"), model=ckpt)  # max_model_len 8192
     with pytest.raises(preflight.PreflightError) as err:
-        preflight.run(render.render(prof, port=0))
+        preflight.run(launch_files.render(prof, port=0))
     assert "max_model_len 8,192 is longer than" in err.value.message and "max_position_embeddings 4,096" in err.value.message
     assert err.value.exit_code == 2
 
@@ -216,7 +216,7 @@ def test_the_checkpoint_must_be_the_one_the_profile_is_planned_for(tmp_path, pro
     (ckpt / "config.json").write_text(json.dumps(config))
     for lic in ("shapleymcg-1.0",):
         licenses.user_store().accept(licenses.get_license(lic), "flag")
-    prof = render.with_paths(profiles.load(profile), model=ckpt)
+    prof = launch_files.with_paths(profiles.load(profile), model=ckpt)
     with pytest.raises(preflight.PreflightError) as err:
-        preflight.run(render.render(prof, port=0))
+        preflight.run(launch_files.render(prof, port=0))
     assert expected in err.value.message and err.value.exit_code == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from glmctl.serving import profiles, render, server
+from glmctl.serving import launch_files, profiles, server
 from glmctl.serving.launch import ServerStartError, VllmProcess, exit_status, parse_kv_capacity
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
@@ -74,8 +74,8 @@ def test_startup_timeout_is_an_error_with_the_phase(tmp_path):
 
 
 def test_run_foreground_forwards_sigterm_and_returns_vllms_status(tmp_path, monkeypatch):
-    prof = render.with_paths(profiles.load("tiny-cpu"), model=tmp_path)
-    launch = render.render(prof, port=server.free_port())
+    prof = launch_files.with_paths(profiles.load("tiny-cpu"), model=tmp_path)
+    launch = launch_files.render(prof, port=server.free_port())
     launch.argv = lambda config: [sys.executable, str(FAKE), "--port", str(launch.port)]
     srv = server.Server(launch, tmp_path / "run")
     ready = []

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from glmctl.serving import profiles, render, vllm_args
+from glmctl.serving import launch_files, profiles, vllm_args
 from glmctl.serving import server as srv
 from tests.conftest import REPO
 
@@ -42,8 +42,8 @@ def test_tiny_server_answers_completions_and_metrics(tiny_served):
 def test_shipped_profiles_pass_vllms_parser_and_problems_are_named(tmp_path):
     from glmctl.serving.validation import with_placeholders
 
-    launches = [render.render(with_placeholders(profiles.load(s.name))) for s in profiles.summaries()]
-    bad = render.render(with_placeholders(profiles.load("tiny-cpu")))
+    launches = [launch_files.render(with_placeholders(profiles.load(s.name))) for s in profiles.summaries()]
+    bad = launch_files.render(with_placeholders(profiles.load("tiny-cpu")))
     bad.config = {**bad.config, "no-such-flag": 1, "disable-log-stats": False,
                   "speculative-config": {"method": "mtp", "num_speculative_token": 3}}
     *shipped, rejected = vllm_args.check_many([launch.config_yaml() for launch in [*launches, bad]])
