@@ -35,12 +35,12 @@ def serve(
     The preflight, the same for --dry-run: licences, checkpoint files and format, the port, vLLM and glmctl's plugin importable and vLLM's parser accepting the config, the GPUs, and the planned KV capacity. Exit 2 when the command or profile must change, 1 when the node lacks something, else vLLM's own exit status.
     """
     from glmctl._cli.output import Output
-    from glmctl.serving import license_gate
+    from glmctl.serving import launch_licenses
     from glmctl.serving import server as srv
 
     out = Output.from_flags(json_, quiet)
     accept = accept_license or []
-    license_gate.check_accept_ids(accept)
+    launch_licenses.check_accept_ids(accept)
     confirm = _terminal_confirm(out) if sys.stdin.isatty() and out.human and not dry_run else None
     out.note(f"preflight for profile '{profile}' ...")
     held: list = []  # the server, once prepared: the log echo asks whether it is up and not stopping

@@ -106,7 +106,7 @@ def fetch(target: str, *, repo: str | None, revision: str | None, include: list[
           local_dir: Path | None, accept: list[str], hash_contents: bool, jobs: int,
           feedback: Feedback = QUIET, timeout: float = dl.DEFAULT_TIMEOUT_S,
           deadline_s: float | None = DEFAULT_DEADLINE_S) -> FetchResult:
-    from glmctl.hub.license_gate import decide_license
+    from glmctl.hub.fetch_license_gate import decide_license
 
     artifact = resolve(target, repo)
     local_dir = (local_dir or models_dir() / artifact.name).expanduser().resolve()

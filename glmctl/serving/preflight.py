@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from glmctl.errors import GlmctlError, LicenseError
 from glmctl.hub.licenses import License
-from glmctl.serving import capacity, license_gate
+from glmctl.serving import capacity, launch_licenses
 from glmctl.serving.artifacts import (
     ArtifactReport,
     max_positions,
@@ -42,7 +42,7 @@ class PreflightReport:
     failures: list[Finding] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     passed: list[str] = field(default_factory=list)
-    gate: license_gate.LicenseGate | None = None
+    gate: launch_licenses.LicenseGate | None = None
     artifacts: list[ArtifactReport] = field(default_factory=list)
     vllm: VllmCheck | None = None
     gpus: list | None = None
@@ -85,10 +85,10 @@ def port_problem(host: str, port: int) -> str | None:
 
 def _licences(launch: RenderedLaunch, accept: list[str], confirm, report: PreflightReport,
               record: bool = True) -> None:
-    gate = license_gate.evaluate(launch.profile, accept=accept, confirm=confirm, record=record)
+    gate = launch_licenses.evaluate(launch.profile, accept=accept, confirm=confirm, record=record)
     report.gate = gate
     if not gate.ok:
-        message, hint = license_gate.refusal_message(launch.profile, gate)
+        message, hint = launch_licenses.refusal_message(launch.profile, gate)
         raise LicenseError(message, hint=hint)
     report.warnings += [f"unknown licence ({u}): read it before deploying" for u in gate.unknown]
     report.warnings += [f"--accept-license {i}: not used by profile '{launch.profile.name}'"
@@ -98,7 +98,7 @@ def _licences(launch: RenderedLaunch, accept: list[str], confirm, report: Prefli
 
 
 def _artifacts(launch: RenderedLaunch, report: PreflightReport) -> None:
-    for art in license_gate.artifacts(launch.profile):
+    for art in launch_licenses.artifacts(launch.profile):
         if not str(art.path).startswith("/"):
             continue  # a placeholder for a drafter not given (render refuses that earlier)
         rep = verify_checkpoint(art.path, role=art.role, need_tokenizer=art.role == "checkpoint")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmctl.errors import ConfigError
-from glmctl.serving import launch_files, license_gate, profiles
+from glmctl.serving import launch_files, launch_licenses, profiles
 from glmctl.serving.schema import Profile
 
 PLACEHOLDER_MODEL = Path("/placeholder/checkpoint")
@@ -53,7 +53,7 @@ def validate(name_or_path: str, use_vllm: bool | None = None) -> ValidationRepor
     report = ValidationReport(prof.name, source, True, checked_by=["schema"])
     report.warnings += prof.advisories()
 
-    gate = license_gate.evaluate(prof)
+    gate = launch_licenses.evaluate(prof)
     report.checked_by.append("licence policy")
     report.errors += gate.refusals
     report.needs_acceptance = [lic.id for lic in gate.missing]

@@ -9,7 +9,7 @@ import pytest
 from glmctl import paths
 from glmctl.errors import ConfigError, LicenseError
 from glmctl.hub import licenses
-from glmctl.serving import launch_files, license_gate, preflight, profiles
+from glmctl.serving import launch_files, launch_licenses, preflight, profiles
 
 NC = "dflash2-cc-by-nc-nd-4.0"
 SHAPLEY = "shapleymcg-1.0"
@@ -76,10 +76,10 @@ def test_noncommercial_refused_without_acceptance_names_the_flag(tmp_path):
 
 def test_acceptance_by_flag_is_recorded_and_remembered(tmp_path):
     prof = launch_files.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
-    gate = license_gate.evaluate(prof, accept=[NC, SHAPLEY])
+    gate = launch_licenses.evaluate(prof, accept=[NC, SHAPLEY])
     assert gate.ok and set(gate.accepted) == {NC, SHAPLEY}
     assert (paths.licenses() / f"{NC}.json").is_file()
-    again = license_gate.evaluate(prof)  # no flag the second time
+    again = launch_licenses.evaluate(prof)  # no flag the second time
     assert again.ok and again.accepted[NC].via == "flag"
 
 
@@ -91,28 +91,28 @@ def test_an_acceptance_is_recorded_only_beside_the_artifacts_under_that_licence(
     model.mkdir()
     drafter.mkdir()
     prof = launch_files.with_paths(profiles.load("noncommercial"), model=model, drafter=drafter)
-    declared = {lic_id: [a.role for a in license_gate.artifacts(prof) if lic_id in a.declared] for lic_id in (NC, SHAPLEY)}
-    gate = license_gate.evaluate(prof, accept=[NC, SHAPLEY])
+    declared = {lic_id: [a.role for a in launch_licenses.artifacts(prof) if lic_id in a.declared] for lic_id in (NC, SHAPLEY)}
+    gate = launch_licenses.evaluate(prof, accept=[NC, SHAPLEY])
     assert gate.ok
     assert NC in licenses.artifact_license_ids(drafter)
     assert NC not in licenses.artifact_license_ids(model), declared
     commercial = launch_files.with_paths(profiles.load("latency"), model=model)
-    assert not any("forbids commercial use" in r for r in license_gate.evaluate(commercial, accept=[SHAPLEY]).refusals)
+    assert not any("forbids commercial use" in r for r in launch_licenses.evaluate(commercial, accept=[SHAPLEY]).refusals)
 
 
 def test_acceptance_by_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("GLMCTL_ACCEPT_LICENSES", f"{NC}, {SHAPLEY}")
     prof = launch_files.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
-    gate = license_gate.evaluate(prof)
+    gate = launch_licenses.evaluate(prof)
     assert gate.ok and gate.accepted[NC].via == "env"
 
 
 def test_confirm_is_asked_only_for_what_is_missing(tmp_path):
     asked = []
     prof = launch_files.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path / "d")
-    gate = license_gate.evaluate(prof, accept=[SHAPLEY], confirm=lambda lic: asked.append(lic.id) or False)
+    gate = launch_licenses.evaluate(prof, accept=[SHAPLEY], confirm=lambda lic: asked.append(lic.id) or False)
     assert asked == [NC] and [lic.id for lic in gate.missing] == [NC]
-    gate = license_gate.evaluate(prof, confirm=lambda lic: asked.append(lic.id) or True)
+    gate = launch_licenses.evaluate(prof, confirm=lambda lic: asked.append(lic.id) or True)
     assert gate.ok and gate.accepted[NC].via == "prompt" and asked == [NC, NC]
 
 
@@ -132,7 +132,7 @@ def test_commercial_refuses_a_noncommercial_drafter_whatever_else_is_set(tmp_pat
 def test_commercial_refuses_a_checkpoint_whose_card_is_noncommercial(tmp_path):
     (tmp_path / "README.md").write_text("---\nlicense: cc-by-nc-sa-4.0\n---\n")
     prof = launch_files.with_paths(profiles.load("latency"), model=tmp_path)
-    gate = license_gate.evaluate(prof, accept=[SHAPLEY])
+    gate = launch_licenses.evaluate(prof, accept=[SHAPLEY])
     assert not gate.ok and "cc-by-nc-sa-4.0" in gate.refusals[0]
 
 
@@ -144,11 +144,11 @@ def test_serve_without_a_terminal_exits_2_and_names_the_flag(run_cli, tmp_path):
 
 
 def test_fetch_and_serve_share_one_record(tmp_path):
-    from glmctl.hub.license_gate import require_license
+    from glmctl.hub.fetch_license_gate import require_license
 
     require_license(NC, accept=[NC], artifact="dflash2", record_dir=tmp_path)
     prof = launch_files.with_paths(profiles.load("noncommercial"), model=tmp_path / "m", drafter=tmp_path)
-    gate = license_gate.evaluate(prof, accept=[SHAPLEY])
+    gate = launch_licenses.evaluate(prof, accept=[SHAPLEY])
     assert NC in gate.accepted and not gate.missing
 
 
@@ -175,7 +175,7 @@ def test_one_acceptance_order_for_fetch_and_serve(tmp_path, monkeypatch):
 
 def test_fetch_asks_through_its_callback_and_refuses_a_no(tmp_path):
     from glmctl.feedback import Feedback
-    from glmctl.hub.license_gate import decide_license
+    from glmctl.hub.fetch_license_gate import decide_license
 
     notes = []
     no = Feedback(note=notes.append, confirm=lambda lic: False)
