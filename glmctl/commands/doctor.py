@@ -24,7 +24,7 @@ def doctor(
     Exit 0 when --profile can run on this node, 1 when it cannot (the reasons are printed), 2 for an unknown profile or an unreadable --from report.
     """
     from glmctl._cli.output import Output
-    from glmctl.probe import doctor as probe_doctor
+    from glmctl.probe import run_probes
     from glmctl.probe.doctor_tables import render
     from glmctl.probe.verdict import decide
     from glmctl.serving.profiles import find
@@ -35,8 +35,8 @@ def doctor(
         from glmctl.evals.results import check_writable
 
         check_writable(record, "--record")
-    report = _replayed(replay) if replay is not None else probe_doctor.run(quick=quick, feedback=out.feedback())
-    verdict = decide(report, chosen=profile, profiles=probe_doctor.profile_fits(report))
+    report = _replayed(replay) if replay is not None else run_probes.run(quick=quick, feedback=out.feedback())
+    verdict = decide(report, chosen=profile, profiles=run_probes.profile_fits(report))
     if record is not None:
         from glmctl.evals.results import write_atomic
 

@@ -13,7 +13,7 @@ PRESET = "glm-5.3-flash"
 def fits_for_node(report: DoctorReport) -> list[ProfileFit]:
     from glmctl.errors import GlmctlError
     from glmctl.plan.model import load_model_spec
-    from glmctl.serving import capacity, preflight, profiles
+    from glmctl.serving import preflight, profile_fit, profiles
 
     # Free memory is judged at serve time; doctor judges the node (its GPUs read as all free).
     gpus = [g.model_copy(update={"free_bytes": None}) for g in report.gpus]
@@ -27,8 +27,8 @@ def fits_for_node(report: DoctorReport) -> list[ProfileFit]:
         reasons = [f.message for f in failures]
         if not reasons:
             try:
-                verdict = capacity.predict(profile, capacity.planned_model(profile, preset),
-                                           capacity.profile_node(profile, gpus))
+                verdict = profile_fit.predict(profile, profile_fit.planned_model(profile, preset),
+                                              profile_fit.profile_node(profile, gpus))
             except GlmctlError as exc:
                 reasons.append(f"cannot plan: {exc.message}")
             else:

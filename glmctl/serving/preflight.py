@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 from glmctl.errors import GlmctlError, LicenseError
 from glmctl.hub.licenses import License
-from glmctl.serving import capacity, launch_licenses
+from glmctl.serving import launch_licenses, profile_fit
 from glmctl.serving.artifacts import (
     ArtifactReport,
     max_positions,
     verify_checkpoint,
     weights_format,
 )
-from glmctl.serving.capacity import CapacityVerdict
+from glmctl.serving.profile_fit import CapacityVerdict
 from glmctl.serving.launch_files import RenderedLaunch
 from glmctl.serving.vllm_args import VllmCheck
 
@@ -220,7 +220,7 @@ def _gpus(launch: RenderedLaunch, report: PreflightReport) -> None:
 
 
 def _capacity(launch: RenderedLaunch, report: PreflightReport) -> None:
-    verdict = capacity.predict_for_checkpoint(launch.profile, launch.model_dir, report.gpus)
+    verdict = profile_fit.predict_for_checkpoint(launch.profile, launch.model_dir, report.gpus)
     report.capacity = verdict
     if not verdict.available:
         report.warnings.append(f"capacity not checked: {verdict.note}")

@@ -32,9 +32,9 @@ def _plain_copy_gbps(direction: str, nbytes: int, reps: int = 7) -> float:
 
 @pytest.fixture(scope="module")
 def report():
-    from glmctl.probe import doctor
+    from glmctl.probe import run_probes
 
-    r = doctor.run(quick=False, where=os.environ.get("GLMCTL_DOCTOR_WHERE", "gpu lane"))
+    r = run_probes.run(quick=False, where=os.environ.get("GLMCTL_DOCTOR_WHERE", "gpu lane"))
     if path := os.environ.get("GLMCTL_DOCTOR_RECORD"):
         Path(path).write_text(r.model_dump_json(indent=1))
     return r

@@ -177,14 +177,14 @@ def test_shipped_profiles_judged_for_the_synthetic_l40_node():
 
 def test_preset_planning_uses_the_profiles_weight_format():
     from glmctl.plan import load_model_spec
-    from glmctl.serving import capacity, profiles
+    from glmctl.serving import profile_fit, profiles
     from tests.unit.fake_gpus import gpu
 
     gpus = [gpu(i, "NVIDIA L40", (8, 9), 44.99) for i in range(8)]
     preset = load_model_spec("glm-5.3-flash")
     commercial = profiles.load("commercial")
     as_fp8 = commercial.model_copy(update={"model": commercial.model.model_copy(update={"weights": "fp8"})})
-    verdicts = [capacity.predict(prof, capacity.planned_model(prof, preset), capacity.profile_node(prof, gpus))
+    verdicts = [profile_fit.predict(prof, profile_fit.planned_model(prof, preset), profile_fit.profile_node(prof, gpus))
                 for prof in (commercial, as_fp8)]
     assert verdicts[0].fits and verdicts[0].sessions_fit == 8
     assert not verdicts[1].fits  # FP8 experts leave no room for 8 x 256k sessions

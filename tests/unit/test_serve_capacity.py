@@ -10,7 +10,7 @@ import pytest
 from glmctl import paths
 from glmctl.plan import load_model_spec
 from glmctl.plan.presets import PRESETS
-from glmctl.serving import capacity, launch_files, preflight, profiles
+from glmctl.serving import launch_files, preflight, profile_fit, profiles
 from tests.conftest import REPO
 from tests.unit.fake_gpus import gpu
 
@@ -30,7 +30,7 @@ def _launch(name: str, model):
 
 
 def _predict(launch, gpus=None):
-    return capacity.predict_for_checkpoint(launch.profile, launch.model_dir, gpus)
+    return profile_fit.predict_for_checkpoint(launch.profile, launch.model_dir, gpus)
 
 
 def test_commercial_fits_eight_256k_sessions_on_8xL40(exl3_config):
@@ -89,10 +89,10 @@ def test_a_fixed_kv_space_is_planned_as_vllm_splits_it(tmp_path):
     fixed = launch.profile.vllm_args["kv-cache-memory-bytes"]
     model = load_model_spec(tmp_path)
     node = gpu_node(num_gpus=1, gpu_memory_gib=h200[0].total_gib, kv_cache_gib=fixed / 2**30)
-    assert capacity.profile_node(launch.profile, h200) == node
-    expected = plan_capacity(model, node, capacity.profile_setup(launch.profile, model))
+    assert profile_fit.profile_node(launch.profile, h200) == node
+    expected = plan_capacity(model, node, profile_fit.profile_setup(launch.profile, model))
     assert verdict.available and verdict.fits and verdict.kv_tokens == expected.kv_tokens
     assert expected.kv_pool_bytes == fixed
-    assert capacity._size_bytes("1G") == 2**30 and capacity._size_bytes("1g") == 10**9
-    assert capacity._size_bytes("1073741824") == capacity._size_bytes(2**30) == 2**30
-    assert capacity._size_bytes(None) is None and capacity._size_bytes("lots") is None
+    assert profile_fit._size_bytes("1G") == 2**30 and profile_fit._size_bytes("1g") == 10**9
+    assert profile_fit._size_bytes("1073741824") == profile_fit._size_bytes(2**30) == 2**30
+    assert profile_fit._size_bytes(None) is None and profile_fit._size_bytes("lots") is None
