@@ -28,7 +28,7 @@ GLMCTL_COLLECTIVES_SPREAD=1 timeout 300 python3 -m pytest -q -p no:cacheprovider
   2>&1 | tee "$OUT/collectives-spread.log" | tail -5
 python3 - "$OUT/doctor.json" <<'PY' | tee "$OUT/table.md"
 import json, sys
-from glmctl.probe.report import DoctorReport
+from glmctl.probe.doctor_report import DoctorReport
 r = DoctorReport.model_validate_json(open(sys.argv[1]).read())
 nccl = {c.bytes: c for c in r.collectives if c.backend == "nccl" and c.env.get("NCCL_P2P_DISABLE") == "1"}
 hs = {c.bytes: c for c in r.collectives if c.backend == "host-staged" and c.op == "all_reduce" and c.dtype == "bf16"}

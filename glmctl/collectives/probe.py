@@ -4,7 +4,7 @@ all-reduce / all-gather across real processes, and the cached copy-engine calibr
 `time_collectives` is one rank's loop: for each (op, payload) and message size it warms the call up,
 captures a CUDA graph of back-to-back calls and times its replays with CUDA events (median), which is
 how a captured decode step sees the collective. `measure` runs it with one process per GPU and
-returns rows shaped like `glmctl.probe.report.CollectivePoint` (plain dicts: this package sits below
+returns rows shaped like `glmctl.probe.doctor_report.CollectivePoint` (plain dicts: this package sits below
 the probe in the layering).
 """
 

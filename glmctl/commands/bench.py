@@ -57,7 +57,7 @@ def bench(
     """
     from glmctl._cli.output import Output
     from glmctl.errors import UsageError
-    from glmctl.evals import bench as b
+    from glmctl.evals import serving_bench as b
     from glmctl.evals import corpus
     from glmctl.evals.results import check_writable, load_result, save_result
     from glmctl.evals.target import open_server

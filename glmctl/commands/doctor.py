@@ -50,7 +50,7 @@ def _replayed(path: Path):
     from pydantic import ValidationError
 
     from glmctl.errors import UsageError
-    from glmctl.probe.report import DoctorReport
+    from glmctl.probe.doctor_report import DoctorReport
 
     try:
         return DoctorReport.model_validate_json(path.read_bytes())

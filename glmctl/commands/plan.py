@@ -114,7 +114,7 @@ def plan(
 
     out = Output.from_flags(json_)
     if reproduce_report:
-        from glmctl.plan.report import reproduce_report as reproduce
+        from glmctl.plan.field_report import reproduce_report as reproduce
 
         result = reproduce()
         out.result(result, render=lambda console: plan_tables.render_report(result, console))

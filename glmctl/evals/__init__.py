@@ -8,7 +8,7 @@
     kld.py         KL divergence vs the exact model: kld_table.py (plan, top-K tables), kld_math.py (the bound)
     humaneval.py   HumanEval pass@k: sandbox.py (+ sandbox_boot.py) runs programs, humaneval_stats.py
     jsonl_log.py   resumable JSONL results (kld, humaneval)
-    bench.py       concurrent sessions; bench_drive.py streams them, metrics.py finds the steady window
+    serving_bench.py concurrent sessions; bench_drive.py streams them, metrics.py finds the steady window
     results.py     result files (--out / --baseline); target.py picks or starts the server
     fake_server.py a stand-in vLLM server for tests
 """

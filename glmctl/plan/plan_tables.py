@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from glmctl.plan.capacity import CapacityPlan
-from glmctl.plan.report import ReportReproduction
+from glmctl.plan.field_report import ReportReproduction
 
 GIB = 1 << 30
 _SECTIONS = {"weights": "weights", "drafter": "drafter", "reserve": "reserved"}

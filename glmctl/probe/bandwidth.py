@@ -12,7 +12,7 @@ import statistics
 import threading
 import time
 
-from glmctl.probe.report import Measurement
+from glmctl.probe.doctor_report import Measurement
 
 MIB = 1 << 20
 

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from glmctl.probe.report import DoctorReport
+from glmctl.probe.doctor_report import DoctorReport
 from glmctl.probe.verdict import Verdict
 
 STATE_STYLE = {"ok": "green", "not-supported": "yellow", "reported-but-broken": "bold red",

@@ -4,7 +4,7 @@ planner's preset describes it (doctor runs before any checkpoint is on the node)
 
 from __future__ import annotations
 
-from glmctl.probe.report import DoctorReport
+from glmctl.probe.doctor_report import DoctorReport
 from glmctl.probe.verdict import ProfileFit
 
 PRESET = "glm-5.3-flash"

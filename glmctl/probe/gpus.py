@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from glmctl.probe.report import Gpu
+from glmctl.probe.doctor_report import Gpu
 
 
 class NoGpu(Exception):

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from glmctl.probe.report import CollectivePoint
+from glmctl.probe.doctor_report import CollectivePoint
 
 
 def busbw_all_reduce(algbw: float, ranks: int) -> float:

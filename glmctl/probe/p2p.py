@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 
-from glmctl.probe.report import P2PPair
+from glmctl.probe.doctor_report import P2PPair
 
 PAIR_TIMEOUT_S = 30.0
 N_ELEMENTS = 1 << 20  # 4 MiB of int32: many pages, several 2 MiB mappings

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from glmctl.feedback import QUIET, Feedback
 from glmctl.probe import bandwidth, software
 from glmctl.probe.gpus import NoGpu, nvml_p2p_matrix, probe_gpus
-from glmctl.probe.report import DoctorReport
+from glmctl.probe.doctor_report import DoctorReport
 
 MIB = 1 << 20
 FULL_SIZES = [1 << 12, 1 << 16, 1 << 20, 8 << 20, 64 << 20, 256 << 20]
@@ -89,7 +89,7 @@ def _host_staged(ranks: int, sizes: list[int], notes: list[str]):
         notes.append("host-staged collectives probe not available in this build")
         return []
     try:
-        from glmctl.probe.report import CollectivePoint
+        from glmctl.probe.doctor_report import CollectivePoint
 
         return [CollectivePoint(**p) for p in hs_probe.measure(ranks=ranks, sizes=sizes)]
     except Exception as exc:  # noqa: BLE001

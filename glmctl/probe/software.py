@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from glmctl import __version__
-from glmctl.probe.report import Host, Software
+from glmctl.probe.doctor_report import Host, Software
 
 # Variables that change how vLLM, NCCL, CUDA or glmctl behave on this node.
 ENV_PATTERNS = re.compile(

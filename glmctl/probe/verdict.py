@@ -17,7 +17,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from glmctl.collectives import cost_model
-from glmctl.probe.report import DoctorReport
+from glmctl.probe.doctor_report import DoctorReport
 
 
 class ProfileFit(BaseModel):

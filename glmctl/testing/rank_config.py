@@ -133,7 +133,7 @@ def build_rank_config(path: str | os.PathLike, *, tp: int = 8, experts: ExpertsV
     from glmctl.plan.presets import PRESETS
     from glmctl.plan.rank import rank_model_spec, truncated_model_spec
     from glmctl.testing.tiny_checkpoint import _check_target, _write_json
-    from glmctl.testing.tokenizer import train_tokenizer
+    from glmctl.testing.tiny_tokenizer import train_tokenizer
 
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}", hint=f"one of: {', '.join(PRESETS)}")

@@ -21,7 +21,7 @@ to serve on two CPU cores. Default config (`TinySpec()`), and why each size was 
 | dense intermediate | 512 | 12288 | |
 | mHC | 4 streams, 20 Sinkhorn iterations | same | the real residual-stream machinery, unchanged |
 | MTP | 1 layer (`num_nextn_predict_layers`) | 1 | what `--speculative-config '{"method": "mtp"}'` loads |
-| vocab | 2048 (byte-level BPE) | 154880 | trained offline on the standard library (`glmctl.testing.tokenizer`) |
+| vocab | 2048 (byte-level BPE) | 154880 | trained offline on the standard library (`glmctl.testing.tiny_tokenizer`) |
 
 `model_type` is the flat `glm5_next` (architecture `Glm5NextForCausalLM`): vLLM's
 `SpeculativeConfig.hf_config_override` rewrites exactly that value to `glm5_next_mtp` for MTP
@@ -219,7 +219,7 @@ def build(
 
     from glmctl import __version__
     from glmctl.testing.tiny_weights import materialize, tensor_plan
-    from glmctl.testing.tokenizer import train_tokenizer
+    from glmctl.testing.tiny_tokenizer import train_tokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))

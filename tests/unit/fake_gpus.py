@@ -1,8 +1,8 @@
-"""GPUs as the preflight and doctor see them (`glmctl.probe.report.Gpu`), written in GiB."""
+"""GPUs as the preflight and doctor see them (`glmctl.probe.doctor_report.Gpu`), written in GiB."""
 
 from __future__ import annotations
 
-from glmctl.probe.report import Gpu
+from glmctl.probe.doctor_report import Gpu
 
 GIB = 1 << 30
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from glmctl.errors import UsageError
-from glmctl.evals import bench as b
+from glmctl.evals import serving_bench as b
 from glmctl.evals.client import OpenAIServer, ServerError
 from glmctl.evals.corpus import stdlib_text
 from glmctl.evals.fake_server import FakeEngine, FakeServer

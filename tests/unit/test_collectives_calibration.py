@@ -62,7 +62,7 @@ def test_package_import_stays_light():
 def test_doctor_seam_shapes():
     """What glmctl doctor reads: the cached calibration as a model, probe rows as CollectivePoints."""
     from glmctl.collectives import probe
-    from glmctl.probe.report import CollectivePoint
+    from glmctl.probe.doctor_report import CollectivePoint
 
     assert probe.cached_calibration() is None
     save_calibration(_cal("NVIDIA L40"))

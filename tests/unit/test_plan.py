@@ -204,7 +204,7 @@ def test_default_cudagraph_sizes_follow_vllm():
 
 
 def test_report_pools_reproduce_within_5_percent():
-    from glmctl.plan.report import reproduce_report
+    from glmctl.plan.field_report import reproduce_report
 
     rep = reproduce_report()
     assert [r.reported_tokens for r in rep.rows] == [294_677, 561_895, 310_490, 382_472, 2_847_055]
@@ -215,7 +215,7 @@ def test_report_pools_reproduce_within_5_percent():
 
 
 def test_report_utilization_is_the_fit_not_a_hand_tuned_number():
-    from glmctl.plan.report import REPORT_GPU_MEMORY_UTILIZATION, fit_utilization
+    from glmctl.plan.field_report import REPORT_GPU_MEMORY_UTILIZATION, fit_utilization
 
     assert fit_utilization() == REPORT_GPU_MEMORY_UTILIZATION
 

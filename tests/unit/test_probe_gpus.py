@@ -9,7 +9,7 @@ import types
 import pytest
 
 from glmctl.probe import gpus
-from glmctl.probe.report import GIB, Gpu
+from glmctl.probe.doctor_report import GIB, Gpu
 
 
 class _Memory:

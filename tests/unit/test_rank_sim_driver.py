@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from glmctl.evals import bench as b
+from glmctl.evals import serving_bench as b
 from glmctl.evals.client import OpenAIServer
 from glmctl.evals.corpus import stdlib_text
 from glmctl.evals.fake_server import FakeEngine, FakeServer

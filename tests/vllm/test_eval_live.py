@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmctl.evals import bench, needle_run
+from glmctl.evals import needle_run, serving_bench
 from glmctl.evals import needle as nd
 from glmctl.evals import perplexity as ppl
 from glmctl.evals.client import OpenAIServer
@@ -125,16 +125,16 @@ def test_needle_harness_places_every_needle_where_it_says(server, tmp_path):
 
 
 def test_bench_counter_rate_agrees_with_the_clients_count(server):
-    prompts = bench.PromptSource(ServerTokenizer(server), stdlib_text())
+    prompts = serving_bench.PromptSource(ServerTokenizer(server), stdlib_text())
     # Size the run to the model: the tiny Llama decodes ~10x faster than the tiny GLM on this CPU.
     # The three sessions overlap only once the last prompt is in: the first must still be decoding
     # after two more 600-token prefills (each slower than the probe's TTFT alone) and a window of
     # several polls, while decoding ~3x slower than alone (two busy cores).
-    probe = bench.run_cell(server, prompts, sessions=1, context=600, output_tokens=32, poll_interval=0.5)
+    probe = serving_bench.run_cell(server, prompts, sessions=1, context=600, output_tokens=32, poll_interval=0.5)
     rate = probe.sessions_detail[0].decode_tok_s or 50.0
     ttft = probe.ttft_s[0] or 1.0
     output_tokens = int(min(max(64, rate / 3 * (3 * ttft + 4.0) * 2), (server.max_model_len or 4096) - 700))
-    cell = bench.run_cell(server, prompts, sessions=3, context=600, output_tokens=output_tokens, poll_interval=0.2)
+    cell = serving_bench.run_cell(server, prompts, sessions=3, context=600, output_tokens=output_tokens, poll_interval=0.2)
     assert cell.steady is not None, cell.no_steady_reason
     s = cell.steady
     assert s.samples >= 3 and s.seconds > 0.3

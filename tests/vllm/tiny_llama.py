@@ -2,7 +2,7 @@
 
 Used by the vllm lane to exercise glmctl's launch and supervision on a real `vllm serve` while the
 tiny GLM-5.3-Flash checkpoint cannot be served on CPU yet. Same tokenizer as the tiny GLM
-(glmctl.testing.tokenizer); sizes chosen so vLLM's CPU attention accepts them (head dim 64).
+(glmctl.testing.tiny_tokenizer); sizes chosen so vLLM's CPU attention accepts them (head dim 64).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from glmctl.testing.tokenizer import train_tokenizer
+    from glmctl.testing.tiny_tokenizer import train_tokenizer
 
     tok = train_tokenizer(out_dir, vocab_size=512, model_max_length=MAX_POSITIONS)
     torch.manual_seed(seed)
