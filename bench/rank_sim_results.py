@@ -28,7 +28,7 @@ from glmctl.plan.node_prediction import load_measured_run, predict_node  # noqa:
 from glmctl.plan.node_records import H200_MEASURED_HERE  # noqa: E402
 from glmctl.plan.presets import GLM53_FLASH  # noqa: E402
 from glmctl.plan.rank import rank_model_spec, rank_weights  # noqa: E402
-from glmctl.plan.setup import ServingSetup, Speculative, WeightFormats  # noqa: E402
+from glmctl.plan.serving_setup import ServingSetup, Speculative, WeightFormats  # noqa: E402
 
 GIB = 1 << 30
 H200_TOTAL_GIB = 139.8  # CUDA-visible H200 total, as the first run's 0.3176 x total = 44.4 GiB implies

@@ -63,6 +63,6 @@ def _root(
 
 
 def main() -> None:
-    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.error_map import run_guarded
 
     raise SystemExit(run_guarded(lambda: app(prog_name="glmctl")))

@@ -25,7 +25,7 @@ def rank_body(rank: int, world: int, session: str) -> dict:
             "calibration": comm.calibration.model_dump() if comm.calibration else None}
     from dataclasses import replace
 
-    from glmctl.collectives.plan import DirectLimits
+    from glmctl.collectives.call_plan import DirectLimits
 
     try:
         base = comm.options

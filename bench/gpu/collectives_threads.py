@@ -94,7 +94,7 @@ class Phase:
 
 def variants(engines, world: int):
     """Option overrides by name, applied to each communicator's PathOptions."""
-    from glmctl.collectives.plan import CopyEngines, DirectLimits, default_direct
+    from glmctl.collectives.call_plan import CopyEngines, DirectLimits, default_direct
 
     off = DirectLimits(capacity=DIRECT_CAP)
     return {
@@ -166,7 +166,7 @@ class Rig:
 
         from glmctl.collectives.host_staged_communicator import PinnedSegment
         from glmctl.collectives.cuda_driver import driver
-        from glmctl.collectives.plan import slot_capacity
+        from glmctl.collectives.call_plan import slot_capacity
         from glmctl.collectives.segment import SharedSegment
 
         torch.cuda.set_device(0)
@@ -401,7 +401,7 @@ def measure(args) -> dict:
     import triton
 
     from glmctl.collectives.calibration import CollectivesCalibration, calibrate
-    from glmctl.collectives.plan import DIRECT_BY_WORLD
+    from glmctl.collectives.call_plan import DIRECT_BY_WORLD
 
     t_start = time.monotonic()
     deadline = t_start + args.budget_s

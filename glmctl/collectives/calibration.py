@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from glmctl import paths
-from glmctl.collectives.plan import DEFAULT_BAND_BYTES, CopyEngines
+from glmctl.collectives.call_plan import DEFAULT_BAND_BYTES, CopyEngines
 
 SMALL_PROBE = 64 * 1024
 LARGE_PROBE = 16 * 1024 * 1024

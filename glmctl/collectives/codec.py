@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from glmctl.collectives.plan import Int8Layout, int8_layout
+from glmctl.collectives.call_plan import Int8Layout, int8_layout
 
 QMAX = 127.0
 

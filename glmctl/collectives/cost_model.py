@@ -8,7 +8,7 @@ simulation's node prediction call it.
 
 The model, for one call of `nbytes` per rank over `ranks` ranks (plans exactly as the
 communicator plans it: `plan.plan_call` with the default `PathOptions`; messages above
-`max_bytes` go in several calls, `plan.message_pieces`):
+`max_bytes` go in several calls, `call_plan.message_pieces`):
 
     t = latency(path, ranks) + max(t_link, t_host)
     t_link = D2H / link_d2h + H2D / link_h2d      (the directions one after the other)
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from glmctl.collectives.plan import PathOptions, message_pieces, plan_call, slot_capacity
+from glmctl.collectives.call_plan import PathOptions, message_pieces, plan_call, slot_capacity
 
 MiB = 1 << 20
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 2}  # int8: bf16 messages, INT8 payloads

@@ -12,7 +12,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-from glmctl.collectives.errors import CollectiveError
+from glmctl.collectives.collective_errors import CollectiveError
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02

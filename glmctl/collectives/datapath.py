@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from glmctl.collectives import direct, kernels
 from glmctl.collectives.kernels import MappedPtr, at, f32, i8
-from glmctl.collectives.plan import CollectivePlan
+from glmctl.collectives.call_plan import CollectivePlan
 from glmctl.collectives.staging import Staging, Sync
 
 

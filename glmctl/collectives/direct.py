@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from glmctl.collectives.kernels import MappedPtr, _tick, _tick_args
-from glmctl.collectives.plan import CollectivePlan
+from glmctl.collectives.call_plan import CollectivePlan
 from glmctl.collectives.segment import DIRECT, DIRECT_PROGRAMS
 from glmctl.collectives.staging import DirectArea, Staging, Sync
 

@@ -20,7 +20,7 @@ peer dies or stalls, records the error and releases the waits (see there).
 The communicator owns the segment and its registration, the rank's `Staging` (addresses) and
 `MemopSync` (prepared barriers), and picks each call's plan (`plan.plan_call` with its
 `PathOptions`); the data paths see only those objects (`datapath.enqueue`). Messages larger than
-`max_bytes` go in several calls (`plan.message_pieces`).
+`max_bytes` go in several calls (`call_plan.message_pieces`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from glmctl import switches
 from glmctl.collectives import datapath, kernels
 from glmctl.collectives.calibration import CollectivesCalibration, calibrate, load_calibration
 from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
-from glmctl.collectives.errors import CaptureMismatchError, CollectiveError, SegmentError
-from glmctl.collectives.plan import (
+from glmctl.collectives.collective_errors import CaptureMismatchError, CollectiveError, SegmentError
+from glmctl.collectives.call_plan import (
     DEFAULT_DIRECT_CAPACITY,
     DEFAULT_GROUP,
     DEFAULT_ONE_SHOT_MAX_BYTES,

@@ -71,7 +71,7 @@ def _time_case(comm, rank: int, op: str, int8: bool, size: int, world: int) -> d
 
 def measure(ranks: int, sizes: list[int], timeout_s: float = 600) -> list[dict]:
     """Host-staged collectives across `ranks` GPUs of this node, one process each (doctor)."""
-    from glmctl.collectives.errors import CollectiveError
+    from glmctl.collectives.collective_errors import CollectiveError
     from glmctl.collectives.harness import run_ranks
 
     results = run_ranks(time_collectives, ranks, sizes, False, timeout_s=timeout_s)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from glmctl import switches
-from glmctl.collectives.errors import PeerLostError, SegmentError
+from glmctl.collectives.collective_errors import PeerLostError, SegmentError
 
 MAGIC = 0x474C4D43_4F4C4C31  # "GLMCOLL1"
 VERSION = 4  # 3: direct-path flag lines and payload area; 4: barrier flags only

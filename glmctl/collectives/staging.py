@@ -6,7 +6,7 @@ how ranks tell each other that bytes are there: barriers, each one enqueued on a
 (`protocol.MemopSync` does it with stream memory operations; the CPU simulation of the data paths
 supplies its own). A data path (`datapath`, `direct`) reads nothing else of the communicator.
 
-Layout of the addresses (`plan.py` has the per-call layouts): the data area holds `world` slots at
+Layout of the addresses (`call_plan.py` has the per-call layouts): the data area holds `world` slots at
 `host + j * plan.slot_stride`; the result area starts at `host + world * capacity`; the stage
 mirrors both at the same offsets from `stage`.
 """

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from glmctl.collectives.errors import CollectiveError, PeerLostError
+from glmctl.collectives.collective_errors import CollectiveError, PeerLostError
 from glmctl.collectives.protocol import waiting_flag
 from glmctl.collectives.segment import (
     DIRECT,

@@ -127,7 +127,7 @@ def plan(
         return
 
     from glmctl.plan import cpu_node, gpu_node, load_model_spec, plan_capacity
-    from glmctl.plan.setup import (
+    from glmctl.plan.serving_setup import (
         ServingSetup,
         WeightFormats,
         parse_capture_sizes,

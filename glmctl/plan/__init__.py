@@ -9,9 +9,9 @@
     plan = plan_capacity(model, node, setup)             # -> CapacityPlan (pydantic)
     plan.fits, plan.kv_tokens, plan.sessions_that_fit, plan.short_by_bytes
 
-Modules: `model` (ModelSpec), `node` (NodeSpec, GPU table), `setup` (ServingSetup), `kv_cache`
+Modules: `model` (ModelSpec), `node` (NodeSpec, GPU table), `serving_setup` (ServingSetup), `kv_cache`
 (vLLM's exact block/page/capacity rules), `weights`, `reserve`, `capacity` (plan_capacity),
-`report` (the field report's five KV pools), `rank` (one TP rank as a TP1 model and its weights),
+`field_report` (the field report's five KV pools), `rank` (one TP rank as a TP1 model and its weights),
 `node_prediction` / `node_prefill` / `rank_sim_records` (`glmctl plan --predict`: a rank step
 measured on another GPU -> predicted 8x L40 cells), `plan_tables` (Rich tables for the CLI).
 """
@@ -20,7 +20,7 @@ from glmctl.plan.capacity import CapacityPlan, plan_capacity, sessions_that_fit
 from glmctl.plan.kv_cache import KvCacheLayout, kv_cache_layout, kv_capacity
 from glmctl.plan.model import ModelSpec, load_model_spec
 from glmctl.plan.node import GPU_MODELS, NodeConstants, NodeSpec, cpu_node, gpu_node
-from glmctl.plan.setup import (
+from glmctl.plan.serving_setup import (
     ServingSetup,
     Speculative,
     WeightFormat,

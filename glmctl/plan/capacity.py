@@ -19,7 +19,7 @@ from glmctl.plan.kv_cache import KvCacheLayout, kv_cache_layout, kv_capacity
 from glmctl.plan.model import ModelSpec
 from glmctl.plan.node import NodeSpec
 from glmctl.plan.reserve import default_capture_sizes, reserves
-from glmctl.plan.setup import WEIGHT_GROUPS, ServingSetup
+from glmctl.plan.serving_setup import WEIGHT_GROUPS, ServingSetup
 from glmctl.plan.weights import dflash_drafter_bytes, mtp_drafter_bytes, weight_groups
 
 GIB = 1 << 30

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from glmctl.kernels.layouts import kv_format
 from glmctl.plan.kv_cache import KvCacheLayout, KvCapacity, cdiv
-from glmctl.plan.setup import DrafterSpec
+from glmctl.plan.serving_setup import DrafterSpec
 from glmctl.plugin.dflash2_layout import DraftPlacement, PoolShape, choose, requested_placement
 
 

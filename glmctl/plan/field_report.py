@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from glmctl.plan.capacity import CapacityPlan, plan_capacity
 from glmctl.plan.model import ModelSpec, load_model_spec
 from glmctl.plan.node import NodeConstants, NodeSpec, gpu_node
-from glmctl.plan.setup import ServingSetup, Speculative, WeightFormats
+from glmctl.plan.serving_setup import ServingSetup, Speculative, WeightFormats
 from glmctl.plan.weights import routed_experts_bytes
 
 GIB = 1 << 30

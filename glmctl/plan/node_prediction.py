@@ -50,7 +50,7 @@ from glmctl.plan.node_records import (
     collectives_us,
     scaled_kinds,
 )
-from glmctl.plan.setup import parse_speculative
+from glmctl.plan.serving_setup import parse_speculative
 
 
 class HostStagedFallback(BaseModel):

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from glmctl.errors import UsageError
 from glmctl.plan.kv_cache import cdiv
 from glmctl.plan.model import ModelSpec, load_model_spec
-from glmctl.plan.setup import WeightFormat, WeightFormats
+from glmctl.plan.serving_setup import WeightFormat, WeightFormats
 from glmctl.plan.weights import (
     BF16,
     VOCAB_PADDING,

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from glmctl.plan.kv_cache import cdiv
 from glmctl.plan.model import ModelSpec
-from glmctl.plan.setup import DrafterSpec, WeightFormat, WeightFormats
+from glmctl.plan.serving_setup import DrafterSpec, WeightFormat, WeightFormats
 
 BF16 = WeightFormat(kind="bf16")
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it

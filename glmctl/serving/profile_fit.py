@@ -16,7 +16,7 @@ from pathlib import Path
 from glmctl.errors import GlmctlError
 from glmctl.plan.model import ModelSpec
 from glmctl.plan.node import NodeSpec, cpu_node, gpu_node
-from glmctl.plan.setup import ServingSetup, Speculative, WeightFormats, load_drafter
+from glmctl.plan.serving_setup import ServingSetup, Speculative, WeightFormats, load_drafter
 from glmctl.serving.launch_files import drafter_path
 from glmctl.serving.schema import Profile
 

@@ -62,7 +62,7 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
     from dataclasses import replace
 
     from glmctl.collectives import CopyEngines
-    from glmctl.collectives.plan import DirectLimits
+    from glmctl.collectives.call_plan import DirectLimits
 
     comm = _communicator(rank, world, session, max_bytes, timeout_s=30)
     defaults = comm.options

@@ -318,7 +318,7 @@ def serve_case(run: LaneRun) -> Case:
 
 def _planned_tokens(run: LaneRun, label: str, e: dict, ckpt: str, memory_gib: float) -> int:
     from glmctl.plan import gpu_node, load_model_spec, plan_capacity
-    from glmctl.plan.setup import ServingSetup, Speculative, WeightFormats
+    from glmctl.plan.serving_setup import ServingSetup, Speculative, WeightFormats
 
     args = engine_specs(run.prompts)[label][1]["llm"]
     model = load_model_spec(run.checkpoints[ckpt])

@@ -29,7 +29,7 @@ def cli(*args: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.error_map import run_guarded
     from glmctl.app import app
 
     out, err = io.StringIO(), io.StringIO()

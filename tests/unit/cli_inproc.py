@@ -23,7 +23,7 @@ class CliRun:
 
 
 def run_glmctl(capsys, *args: str) -> CliRun:
-    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.error_map import run_guarded
     from glmctl.app import app
 
     capsys.readouterr()

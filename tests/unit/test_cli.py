@@ -80,7 +80,7 @@ def test_unknown_option_is_a_usage_error(run_cli):
 )
 def test_error_mapping(exc, code):
     from glmctl import errors
-    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.error_map import run_guarded
 
     def boom():
         raise getattr(errors, exc)("it broke", hint="do the other thing")
@@ -89,7 +89,7 @@ def test_error_mapping(exc, code):
 
 
 def test_unexpected_error_exits_1_and_debug_shows_traceback(monkeypatch, capsys):
-    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.error_map import run_guarded
 
     def boom():
         raise ValueError("surprise")
@@ -103,7 +103,7 @@ def test_unexpected_error_exits_1_and_debug_shows_traceback(monkeypatch, capsys)
 
 
 def test_error_message_and_hint_reach_stderr(capsys):
-    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.error_map import run_guarded
     from glmctl.errors import UsageError
 
     def boom():
@@ -141,7 +141,7 @@ def test_cli_reference_is_current():
 
 def test_brackets_in_messages_survive(capsys):
     """Extras like glmctl[gpu] and globs like *.[ch] must not be eaten as Rich markup."""
-    from glmctl._cli.errors import run_guarded
+    from glmctl._cli.error_map import run_guarded
     from glmctl._cli.output import Mode, Output
     from glmctl.errors import DependencyError
 

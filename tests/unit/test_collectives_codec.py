@@ -12,7 +12,7 @@ from glmctl.collectives.codec import (  # noqa: E402
     int8_round_trip_ref,
     quantize_int8_ref,
 )
-from glmctl.collectives.plan import int8_layout  # noqa: E402
+from glmctl.collectives.call_plan import int8_layout  # noqa: E402
 
 
 def _group_amax(x: torch.Tensor, layout) -> torch.Tensor:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from glmctl.collectives import cost_model as cm
-from glmctl.collectives.plan import plan_all_reduce
+from glmctl.collectives.call_plan import plan_all_reduce
 
 MiB = 1 << 20
 COSTS = cm.ProtocolCosts("test", {p: (10.0, 1.0) for p in (

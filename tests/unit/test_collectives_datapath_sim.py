@@ -27,7 +27,7 @@ _PRELOADED = _MODULES is None
 kernels, direct, datapath = _MODULES or (None, None, None)
 
 from glmctl.collectives.codec import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
-from glmctl.collectives.plan import (  # noqa: E402
+from glmctl.collectives.call_plan import (  # noqa: E402
     CopyEngines,
     DirectLimits,
     plan_all_gather,

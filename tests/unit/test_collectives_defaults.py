@@ -9,7 +9,7 @@ import json
 import pytest
 
 from glmctl.collectives.calibration import CollectivesCalibration
-from glmctl.collectives.plan import (
+from glmctl.collectives.call_plan import (
     DEFAULT_DIRECT_CAPACITY,
     DIRECT_BY_WORLD,
     PathOptions,

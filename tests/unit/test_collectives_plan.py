@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from glmctl.collectives.plan import (
+from glmctl.collectives.call_plan import (
     ALIGN,
     CopyEngines,
     fits,
@@ -92,7 +92,7 @@ def test_int8_layout_rejects_odd_groups():
 
 
 def test_direct_path_by_size_and_never_int8():
-    from glmctl.collectives.plan import DirectLimits
+    from glmctl.collectives.call_plan import DirectLimits
 
     lim = DirectLimits(ll_max_bytes=16 * 1024, flag_max_bytes=256 * 1024, capacity=512 * 1024)
     assert plan_all_reduce(4096, 2, 4, direct=lim).algorithm == "direct_ll"
@@ -109,7 +109,7 @@ def test_direct_path_by_size_and_never_int8():
 
 
 def test_messages_are_cut_into_calls_in_one_place():
-    from glmctl.collectives.plan import message_pieces
+    from glmctl.collectives.call_plan import message_pieces
 
     pieces = message_pieces(3 * MiB // 2 + 5, 2, MiB)
     assert [c for _, c in pieces] == [MiB // 2, MiB // 2, MiB // 2, 5]
@@ -119,7 +119,7 @@ def test_messages_are_cut_into_calls_in_one_place():
 
 
 def test_plan_call_takes_the_measured_direct_limits_for_the_rank_count():
-    from glmctl.collectives.plan import DirectLimits, PathOptions, plan_call
+    from glmctl.collectives.call_plan import DirectLimits, PathOptions, plan_call
 
     cap = slot_capacity(4 * MiB, 8)
     measured = PathOptions()

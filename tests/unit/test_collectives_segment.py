@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from glmctl.collectives.errors import PeerLostError, SegmentError
+from glmctl.collectives.collective_errors import PeerLostError, SegmentError
 from glmctl.collectives.segment import (
     FLAGS,
     GPU_WORDS_OFFSET,

@@ -200,7 +200,7 @@ def test_int8_only_from_the_size_threshold(monkeypatch):
         x = torch.randn(numel).to(torch.bfloat16)
         assert torch.equal(gc.all_reduce(x), (x.float() * 2).to(torch.bfloat16))
         assert {c[2] for c in fake.calls} == {want}, numel
-    # the 3 MiB message went whole, INT8 (the communicator cuts it: plan.message_pieces)
+    # the 3 MiB message went whole, INT8 (the communicator cuts it: call_plan.message_pieces)
     assert [c[1] for c in fake.calls] == [3 * MiB]
     gathered = gc.all_gather(torch.randn(40000).to(torch.bfloat16), 0)  # gathers are never INT8
     assert gathered.shape == (80000,) and fake.calls[-1][2] is False

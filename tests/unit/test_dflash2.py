@@ -16,7 +16,7 @@ from glmctl.plan import (
     plan_capacity,
 )
 from glmctl.plan.drafter_kv import capacity_with_drafter, draft_page_bytes, drafter_kv
-from glmctl.plan.setup import DrafterSpec, Speculative
+from glmctl.plan.serving_setup import DrafterSpec, Speculative
 from glmctl.plugin.dflash2_layout import (
     PoolShape,
     alias_placement,
@@ -207,7 +207,7 @@ def test_tiny_drafter_is_sized_for_its_target(tiny_checkpoint, tmp_path):
     pytest.importorskip("safetensors")
     from safetensors import safe_open
 
-    from glmctl.plan.setup import load_drafter
+    from glmctl.plan.serving_setup import load_drafter
     from glmctl.testing.tiny_drafter import build
 
     info = build(tmp_path / "d", tiny_checkpoint.path, seed=0)

@@ -24,7 +24,7 @@ from glmctl.plan import (
     sessions_that_fit,
 )
 from glmctl.plan.reserve import default_capture_sizes
-from glmctl.plan.setup import parse_speculative, parse_weight_format
+from glmctl.plan.serving_setup import parse_speculative, parse_weight_format
 from glmctl.plan.weights import matrix_bytes, weight_groups
 
 GIB = 1 << 30
@@ -316,7 +316,7 @@ def test_fp8_attention_is_read_from_the_checkpoint_and_planned_as_fp8(tmp_path, 
 
     from glmctl.plan.model import load_model_spec
     from glmctl.plan.presets import PRESETS
-    from glmctl.plan.setup import WeightFormats
+    from glmctl.plan.serving_setup import WeightFormats
     from glmctl.plan.weights import weight_groups
 
     quant = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}

@@ -118,7 +118,7 @@ def test_h200_mtp3_run_plan(tmp_path, rank):
     KV tokens are compared within 4 % (measured: +2.9 %; vLLM's split of those 1.57 GiB was not in
     the saved log) and the weights within 1 % (vLLM's figure also holds kernel workspaces)."""
     from glmctl.plan import gpu_node, plan_capacity
-    from glmctl.plan.setup import ServingSetup, Speculative, WeightFormats
+    from glmctl.plan.serving_setup import ServingSetup, Speculative, WeightFormats
     from glmctl.testing.rank_config import rank_hf_config
 
     config = rank_hf_config(rank, {"stop_token_ids": [0], "pad_token_id": 0}, GLM53_FLASH["indexer_types"], "exl3")

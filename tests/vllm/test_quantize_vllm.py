@@ -354,7 +354,7 @@ def test_planner_counts_attention_weights_as_vllm_builds_them(vllm_report, tiny_
     """`glmctl plan --kda fp8 --mla fp8` against the parameters vLLM built for `glmctl quantize fp8`'s
     default selection (before processing: the GPU path keeps them as built), and BF16 against stock."""
     from glmctl.plan import load_model_spec
-    from glmctl.plan.setup import WeightFormats
+    from glmctl.plan.serving_setup import WeightFormats
     from glmctl.plan.weights import weight_groups
 
     spec = load_model_spec(Path(tiny_checkpoint.path))
