@@ -37,7 +37,7 @@ def _inputs(t):
 
 
 def _triton(a):
-    from glmctl.kernels.mhc import mhc_fused_post_pre
+    from glmctl.kernels.mhc_pre_post import mhc_fused_post_pre
 
     return lambda: mhc_fused_post_pre(a["x"], a["residual"], a["post"], a["comb"], a["fn"],
                                       a["scale"], a["base"], **GATES, norm_weight=a["weight"],
@@ -45,7 +45,7 @@ def _triton(a):
 
 
 def _torch(a):
-    from glmctl.kernels.mhc import rms_norm_ref
+    from glmctl.kernels.mhc_pre_post import rms_norm_ref
     from vllm.model_executor.kernels.mhc.torch import mhc_post_torch, mhc_pre_torch
 
     def run():

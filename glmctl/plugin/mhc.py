@@ -7,7 +7,7 @@ Two defects of vLLM 0.30 are covered here:
   - On CUDA every mHC op (`MHCPreOp`, `MHCFusedPostPreOp`, `MHCPostOp`, `MHCPreDelayedOp`,
     `HCHeadOp`) calls tilelang unconditionally, so where tilelang is missing, or is not
     chosen, the engine dies in its first forward. Each op gets a path without tilelang:
-    glmctl's Triton kernels (`glmctl.kernels.mhc`) for the three ops GLM-5.3-Flash calls,
+    glmctl's Triton kernels (`glmctl.kernels.mhc_pre_post`) for the three ops GLM-5.3-Flash calls,
     vLLM's torch reference for the delayed pre, vLLM's own Triton kernel for the HC head.
 
   - vLLM CPU's fused mHC kernels (`hc_pre_fused_cpu`, `hc_post_fused_cpu`) exist only in its

@@ -8,7 +8,7 @@ restores the caller's leading shape on the outputs. Imported only where the Trit
 import torch
 from torch import Tensor
 
-from glmctl.kernels import mhc as k
+from glmctl.kernels import mhc_pre_post as k
 
 _lib = None  # the library fragment owning the ops; they live as long as it does
 

@@ -110,7 +110,7 @@ class MhcPath(enum.StrEnum):
     """Which implementation runs vLLM's mHC ops (pre, fused post+pre, post, delayed pre, head)."""
 
     TILELANG = "tilelang"  # vLLM's own CUDA kernels (tilelang JIT)
-    TRITON = "triton"  # glmctl's Triton kernels (glmctl.kernels.mhc)
+    TRITON = "triton"  # glmctl's Triton kernels (glmctl.kernels.mhc_pre_post)
     TORCH = "torch"  # vLLM's torch reference functions, with the input norm applied
 
 

@@ -49,14 +49,14 @@ def _steps(a, b, steps):
 
 @pytest.mark.parametrize("t", [1, 8, 32, 48, 300, 2048])
 def test_fused_post_pre_matches_reference(t):
-    from glmctl.kernels import mhc
+    from glmctl.kernels import mhc_pre_post
 
     residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(t, seed=t)
     args = (x, residual, post_in, comb_in, fn, scale, base)
-    cur, post, comb, lin = mhc.mhc_fused_post_pre(*args, **GATES, norm_weight=weight,
+    cur, post, comb, lin = mhc_pre_post.mhc_fused_post_pre(*args, **GATES, norm_weight=weight,
                                                   norm_eps=1e-5)
-    _steps(cur, mhc.mhc_post_ref(x, residual, post_in, comb_in), 1)
-    post_r, comb_r, lin_r = mhc.mhc_pre_ref(cur, fn, scale, base, **GATES, norm_weight=weight,
+    _steps(cur, mhc_pre_post.mhc_post_ref(x, residual, post_in, comb_in), 1)
+    post_r, comb_r, lin_r = mhc_pre_post.mhc_pre_ref(cur, fn, scale, base, **GATES, norm_weight=weight,
                                             norm_eps=1e-5)
     torch.testing.assert_close(post, post_r, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(comb, comb_r, rtol=1e-4, atol=1e-5)
@@ -66,21 +66,21 @@ def test_fused_post_pre_matches_reference(t):
 @pytest.mark.parametrize("t", [1, 32, 2048])
 def test_pre_and_post_match_vllm_torch_functions(t):
     vk = pytest.importorskip("vllm.model_executor.kernels.mhc.torch")
-    from glmctl.kernels import mhc
+    from glmctl.kernels import mhc_pre_post
 
     residual, x, fn, scale, base, post_in, comb_in, _ = _inputs(t, seed=100 + t)
-    post, comb, lin = mhc.mhc_pre(residual, fn, scale, base, **GATES)
+    post, comb, lin = mhc_pre_post.mhc_pre(residual, fn, scale, base, **GATES)
     post_v, comb_v, lin_v = vk.mhc_pre_torch(residual, fn, scale, base, **GATES)
     torch.testing.assert_close(post, post_v, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(comb, comb_v, rtol=1e-4, atol=1e-5)
     _steps(lin, lin_v, 1)
-    _steps(mhc.mhc_post(x, residual, post_in, comb_in),
+    _steps(mhc_pre_post.mhc_post(x, residual, post_in, comb_in),
            vk.mhc_post_torch(x, residual, post_in, comb_in), 1)
 
 
 def test_registered_ops_keep_the_callers_shape():
     pytest.importorskip("vllm")
-    from glmctl.kernels import mhc
+    from glmctl.kernels import mhc_pre_post
 
     from glmctl.plugin import mhc_ops
 
@@ -89,7 +89,7 @@ def test_registered_ops_keep_the_callers_shape():
     gates = tuple(GATES.values())
     out = torch.ops.glmctl.mhc_fused_post_pre(
         x, residual, post_in, comb_in, fn, scale, base, *gates, weight, 1e-5, [6])
-    ref = mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **GATES,
+    ref = mhc_pre_post.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **GATES,
                                  norm_weight=weight, norm_eps=1e-5)
     for a, b in zip(out, ref, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
@@ -98,23 +98,23 @@ def test_registered_ops_keep_the_callers_shape():
 
 
 def test_graph_replay_with_new_inputs_matches_eager():
-    from glmctl.kernels import mhc
+    from glmctl.kernels import mhc_pre_post
 
     t = 32
     static = _inputs(t, seed=1)
     residual, x, fn, scale, base, post_in, comb_in, weight = static
     kw = dict(**GATES, norm_weight=weight, norm_eps=1e-5)
     for _ in range(2):  # compile outside the capture
-        mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
+        mhc_pre_post.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
+        outs = mhc_pre_post.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
     for seed in range(2, 12):
         fresh = _inputs(t, seed=seed)
         for dst, src in zip((residual, x, post_in, comb_in), (fresh[0], fresh[1], fresh[5],
                                                               fresh[6]), strict=True):
             dst.copy_(src)
         graph.replay()
-        eager = mhc.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
+        eager = mhc_pre_post.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
         for a, b in zip(outs, eager, strict=True):
             assert torch.equal(a, b), f"replay {seed} differs from eager"

@@ -14,7 +14,7 @@ from glmctl.kernels.triton_env import (  # noqa: E402
     run_in_fresh_interpreter_process,
 )
 
-_modules = import_interpreted("glmctl.kernels.mhc")
+_modules = import_interpreted("glmctl.kernels.mhc_pre_post")
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
 
 
@@ -130,7 +130,7 @@ def test_references_match_vllm_torch_functions():
 
 
 def test_rejects_wrong_shapes():
-    from glmctl.kernels import mhc as mod
+    from glmctl.kernels import mhc_pre_post as mod
 
     with pytest.raises(ValueError, match="residual must be"):
         mod.mhc_pre(torch.zeros(2, 4, 8), torch.zeros(24, 32), torch.ones(3), torch.zeros(24),
