@@ -52,7 +52,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ModelSpec(_Strict):
+class ProfileModel(_Strict):
     path: Path | None = None
     """Local checkpoint directory; `glmctl serve --model` overrides it."""
     served_name: str | None = None
@@ -119,7 +119,7 @@ class Profile(_Strict):
     usage: Literal["commercial", "noncommercial"]
     """commercial: every artifact's licence must allow commercial use, whatever else is set."""
     platform: Literal["cuda", "cpu"] = "cuda"
-    model: ModelSpec = ModelSpec()
+    model: ProfileModel = ProfileModel()
     speculative: Speculative = Speculative()
     kv_cache_dtype: KvCacheDtype = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
