@@ -146,3 +146,22 @@ def test_the_planner_and_serving_read_no_plugin_policy():
                    if _is_under(m, ("glmctl.plan", "glmctl.serving")) for t in targets
                    if t == "glmctl.plugin.policy")
     assert found == [], "\n".join(found)
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says what its module holds, so one name is one module across the package
+    (`glmctl/`, `kernels/`, `quantize/`); packages' `__init__.py` are the only repeats."""
+    by_name: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(name)
+    assert {file: names for file, names in by_name.items() if len(names) > 1} == {}
+
+
+def test_one_class_is_called_model_spec():
+    """`ModelSpec` is the planner's architecture numbers (glmctl.plan.model); a profile's model
+    section is `ProfileModel`."""
+    defined = [name for name, path in modules().items()
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+               if isinstance(node, ast.ClassDef) and node.name == "ModelSpec"]
+    assert defined == ["glmctl.plan.model"]
