@@ -138,9 +138,9 @@ def profiler(base_url: str, seconds: float):
 def run_cell(server, prompts, sessions: int, context: int, *, decode_budget: int, window_s: float,
              time_limit_s: float, profile=None) -> dict:
     """One cell through glmctl's bench driver with the window rule of the module doc."""
-    from glmctl.evals.serving_bench import wait_idle
     from glmctl.evals.bench_drive import drive
     from glmctl.evals.metrics import steady_window
+    from glmctl.evals.serving_bench import wait_idle
 
     batch = prompts.prompts(sessions, context)
     before = wait_idle(server, 60.0)
@@ -308,9 +308,9 @@ def _late_facts(server) -> dict:
 
 
 def _cells(args, server, record: dict, save, profile_dir: Path, t_end: float) -> None:
-    from glmctl.evals.serving_bench import PromptSource
     from glmctl.evals.client import OpenAIServer
     from glmctl.evals.corpus import stdlib_text
+    from glmctl.evals.serving_bench import PromptSource
     from glmctl.evals.tokenizer import open_tokenizer
 
     client = OpenAIServer(server.base, "rank", timeout=900.0)

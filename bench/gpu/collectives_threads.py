@@ -164,9 +164,9 @@ class Rig:
     def __init__(self, world: int, max_bytes: int, engines, timeout_s: float = 5.0):
         import torch
 
-        from glmctl.collectives.host_staged_communicator import PinnedSegment
-        from glmctl.collectives.cuda_driver import driver
         from glmctl.collectives.call_plan import slot_capacity
+        from glmctl.collectives.cuda_driver import driver
+        from glmctl.collectives.host_staged_communicator import PinnedSegment
         from glmctl.collectives.segment import SharedSegment
 
         torch.cuda.set_device(0)

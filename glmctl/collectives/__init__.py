@@ -22,13 +22,18 @@ from glmctl.collectives.calibration import (
     CollectivesCalibrationStatus,
     calibration_status,
 )
+from glmctl.collectives.call_plan import (
+    CollectivePlan,
+    CopyEngines,
+    plan_all_gather,
+    plan_all_reduce,
+)
 from glmctl.collectives.collective_errors import (
     CaptureMismatchError,
     CollectiveError,
     PeerLostError,
     SegmentError,
 )
-from glmctl.collectives.call_plan import CollectivePlan, CopyEngines, plan_all_gather, plan_all_reduce
 
 if TYPE_CHECKING:
     from glmctl.collectives.host_staged_communicator import HostStagedCommunicator

@@ -10,8 +10,8 @@ kernel of every call bumps the progress word (`tick=True`) the watchdog watches.
 from __future__ import annotations
 
 from glmctl.collectives import direct, kernels
-from glmctl.collectives.kernels import MappedPtr, at, f32, i8
 from glmctl.collectives.call_plan import CollectivePlan
+from glmctl.collectives.kernels import MappedPtr, at, f32, i8
 from glmctl.collectives.staging import Staging, Sync
 
 

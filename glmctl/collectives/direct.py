@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from glmctl.collectives.kernels import MappedPtr, _tick, _tick_args
 from glmctl.collectives.call_plan import CollectivePlan
+from glmctl.collectives.kernels import MappedPtr, _tick, _tick_args
 from glmctl.collectives.segment import DIRECT, DIRECT_PROGRAMS
 from glmctl.collectives.staging import DirectArea, Staging, Sync
 

@@ -34,8 +34,6 @@ from dataclasses import replace
 from glmctl import switches
 from glmctl.collectives import datapath, kernels
 from glmctl.collectives.calibration import CollectivesCalibration, calibrate, load_calibration
-from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
-from glmctl.collectives.collective_errors import CaptureMismatchError, CollectiveError, SegmentError
 from glmctl.collectives.call_plan import (
     DEFAULT_DIRECT_CAPACITY,
     DEFAULT_GROUP,
@@ -51,6 +49,8 @@ from glmctl.collectives.call_plan import (
     slot_capacity,
     use_int8,
 )
+from glmctl.collectives.collective_errors import CaptureMismatchError, CollectiveError, SegmentError
+from glmctl.collectives.cuda_driver import MemOp, driver, memop_array
 from glmctl.collectives.protocol import MemopSync
 from glmctl.collectives.segment import (
     DIRECT_PROGRAMS,

@@ -57,8 +57,8 @@ def bench(
     """
     from glmctl._cli.output import Output
     from glmctl.errors import UsageError
-    from glmctl.evals import serving_bench as b
     from glmctl.evals import corpus
+    from glmctl.evals import serving_bench as b
     from glmctl.evals.results import check_writable, load_result, save_result
     from glmctl.evals.target import open_server
     from glmctl.evals.tokenizer import open_tokenizer

@@ -21,9 +21,9 @@ from glmctl import switches
 from glmctl.errors import GlmctlError, UsageError
 from glmctl.feedback import QUIET, Feedback
 from glmctl.hub import download as dl
+from glmctl.hub.artifact_check import VerifyReport, check_files, check_structure
 from glmctl.hub.catalog import resolve
 from glmctl.hub.manifest import ExpectedFile, read_manifest
-from glmctl.hub.artifact_check import VerifyReport, check_files, check_structure
 
 T = TypeVar("T")
 DEFAULT_DEADLINE_S = 86_400.0

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 from glmctl.feedback import QUIET, Feedback
 from glmctl.probe import bandwidth, software
-from glmctl.probe.gpus import NoGpu, nvml_p2p_matrix, probe_gpus
 from glmctl.probe.doctor_report import DoctorReport
+from glmctl.probe.gpus import NoGpu, nvml_p2p_matrix, probe_gpus
 
 MIB = 1 << 20
 FULL_SIZES = [1 << 12, 1 << 16, 1 << 20, 8 << 20, 64 << 20, 256 << 20]

@@ -22,8 +22,8 @@ from glmctl.serving.artifacts import (
     verify_checkpoint,
     weights_format,
 )
-from glmctl.serving.profile_fit import CapacityVerdict
 from glmctl.serving.launch_files import RenderedLaunch
+from glmctl.serving.profile_fit import CapacityVerdict
 from glmctl.serving.vllm_args import VllmCheck
 
 

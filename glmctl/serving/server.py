@@ -19,10 +19,10 @@ from pathlib import Path
 
 from glmctl import paths
 from glmctl.hub.licenses import License
-from glmctl.serving import preflight as preflight_mod
 from glmctl.serving import launch_files, profiles
-from glmctl.serving.profile_fit import CapacityVerdict
+from glmctl.serving import preflight as preflight_mod
 from glmctl.serving.launch import KvCapacity, VllmProcess
+from glmctl.serving.profile_fit import CapacityVerdict
 from glmctl.serving.schema import Profile
 
 LOG_NAME = "vllm.log"

@@ -218,8 +218,8 @@ def build(
     from safetensors.torch import save_file
 
     from glmctl import __version__
-    from glmctl.testing.tiny_weights import materialize, tensor_plan
     from glmctl.testing.tiny_tokenizer import train_tokenizer
+    from glmctl.testing.tiny_weights import materialize, tensor_plan
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))

@@ -6,13 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from glmctl.collectives.call_plan import int8_layout  # noqa: E402
 from glmctl.collectives.codec import (  # noqa: E402
     all_reduce_int8_ref,
     dequantize_int8_ref,
     int8_round_trip_ref,
     quantize_int8_ref,
 )
-from glmctl.collectives.call_plan import int8_layout  # noqa: E402
 
 
 def _group_amax(x: torch.Tensor, layout) -> torch.Tensor:

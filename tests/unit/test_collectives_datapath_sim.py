@@ -26,7 +26,6 @@ _MODULES = collectives_interp.load()
 _PRELOADED = _MODULES is None
 kernels, direct, datapath = _MODULES or (None, None, None)
 
-from glmctl.collectives.codec import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
 from glmctl.collectives.call_plan import (  # noqa: E402
     CopyEngines,
     DirectLimits,
@@ -34,6 +33,7 @@ from glmctl.collectives.call_plan import (  # noqa: E402
     plan_all_reduce,
     slot_capacity,
 )
+from glmctl.collectives.codec import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
 from glmctl.collectives.protocol import MemopSync  # noqa: E402
 from glmctl.collectives.segment import DIRECT_PROGRAMS, W_ABORT, SharedSegment  # noqa: E402
 from glmctl.collectives.staging import DirectArea, Staging  # noqa: E402

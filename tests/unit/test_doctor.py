@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from glmctl.collectives.cost_model import PROTOCOL_COSTS
-from glmctl.probe.p2p import classify
 from glmctl.probe.doctor_report import CollectivePoint, DoctorReport, Gpu, P2PPair
+from glmctl.probe.p2p import classify
 from glmctl.probe.verdict import ProfileFit, decide, prefill_floor
 
 _LATENCY_S = PROTOCOL_COSTS.latency_us("two_shot", 8) * 1e-6  # one 8-rank two-shot call's fixed cost

