@@ -10,5 +10,4 @@
     jsonl_log.py   resumable JSONL results (kld, humaneval)
     serving_bench.py concurrent sessions; bench_drive.py streams them, metrics.py finds the steady window
     results.py     result files (--out / --baseline); target.py picks or starts the server
-    fake_server.py a stand-in vLLM server for tests
 """

@@ -30,7 +30,7 @@ def _top2(logprobs) -> list:
 def run_checkpoint(spec: dict, device: str) -> dict:
     import torch
 
-    from glmctl.testing.hf_reference import load_transformers_model
+    from tests.hf_reference import load_transformers_model
 
     out: dict = {}
     for dtype in spec.get("dtypes", ["float32"]):

@@ -14,7 +14,7 @@ SMALL = dict(layers=4, hidden=256, vocab=256, kda_heads=2, mla_heads=2, q_lora=1
 
 def make_synthetic(tmp_path_factory) -> Path:
     """A small GLM-5.3-Flash-named bf16 checkpoint (2 shards); copy it before modifying it."""
-    from glmctl.quantize.synthetic import SyntheticSpec, write_synthetic_checkpoint
+    from tests.synthetic_checkpoint import SyntheticSpec, write_synthetic_checkpoint
 
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic") / "src", SyntheticSpec(**SMALL))
 

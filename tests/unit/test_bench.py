@@ -10,9 +10,9 @@ from glmctl.errors import UsageError
 from glmctl.evals import serving_bench as b
 from glmctl.evals.client import OpenAIServer, ServerError
 from glmctl.evals.corpus import stdlib_text
-from glmctl.evals.fake_server import FakeEngine, FakeServer
 from glmctl.evals.metrics import MetricsSample, parse_metrics, steady_window
 from glmctl.evals.tokenizer import ServerTokenizer
+from tests.fake_server import FakeEngine, FakeServer
 
 VLLM_TEXT = """\
 # HELP vllm:generation_tokens_total Number of generation tokens processed.

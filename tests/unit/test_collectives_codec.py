@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from glmctl.collectives.call_plan import int8_layout  # noqa: E402
-from glmctl.collectives.codec import (  # noqa: E402
+from tests.int8_codec_ref import (  # noqa: E402
     all_reduce_int8_ref,
     dequantize_int8_ref,
     int8_round_trip_ref,

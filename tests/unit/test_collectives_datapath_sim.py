@@ -33,10 +33,10 @@ from glmctl.collectives.call_plan import (  # noqa: E402
     plan_all_reduce,
     slot_capacity,
 )
-from glmctl.collectives.codec import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
 from glmctl.collectives.protocol import MemopSync  # noqa: E402
 from glmctl.collectives.segment import DIRECT_PROGRAMS, W_ABORT, SharedSegment  # noqa: E402
 from glmctl.collectives.staging import DirectArea, Staging  # noqa: E402
+from tests.int8_codec_ref import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
 
 interpreted = pytest.mark.skipif(_PRELOADED, reason="triton was imported before: test_fresh_process")
 MAX_BYTES = 64 * 1024

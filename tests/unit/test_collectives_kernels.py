@@ -17,7 +17,7 @@ _PRELOADED = _MODULES is None
 kernels, _, datapath = _MODULES or (None, None, None)
 
 from glmctl.collectives.call_plan import int8_layout  # noqa: E402
-from glmctl.collectives.codec import dequantize_int8_ref, quantize_int8_ref  # noqa: E402
+from tests.int8_codec_ref import dequantize_int8_ref, quantize_int8_ref  # noqa: E402
 
 interpreted = pytest.mark.skipif(_PRELOADED, reason="triton was imported before: test_fresh_process")
 

@@ -15,7 +15,7 @@ from glmctl.evals import humaneval as he
 from glmctl.evals import humaneval_stats as hs
 from glmctl.evals import sandbox
 from glmctl.evals.client import OpenAIServer
-from glmctl.evals.fake_server import SPECIALS, FakeEngine, FakeServer
+from tests.fake_server import SPECIALS, FakeEngine, FakeServer
 
 PROBLEMS, _ = he.load_problems()
 BY_PROMPT = {p.prompt: p for p in PROBLEMS}
@@ -203,7 +203,7 @@ def test_cli_runs_resumes_compares_and_refuses_bad_flags(tmp_path, run_cli):
 
     script = ("import sys, time; sys.path.insert(0, '.');"
               "from tests.unit.test_eval_humaneval import AnswerEngine;"
-              "from glmctl.evals.fake_server import FakeServer;"
+              "from tests.fake_server import FakeServer;"
               "s = FakeServer(AnswerEngine(lambda p: p.canonical_solution if p.number else '    pass\\n'));"
               "print(s.__enter__(), flush=True); time.sleep(600)")
     servers = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,

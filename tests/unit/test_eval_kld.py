@@ -14,9 +14,9 @@ from glmctl.evals import kld as kl
 from glmctl.evals import kld_table as kt
 from glmctl.evals.client import OpenAIServer, ServerError
 from glmctl.evals.corpus import SourceText
-from glmctl.evals.fake_server import FakeEngine, FakeServer, decode
 from glmctl.evals.kld_math import TopK, compare_positions, kl_lower_bound, union_table
 from glmctl.evals.tokenizer import ServerTokenizer
+from tests.fake_server import FakeEngine, FakeServer, decode
 
 VOCAB = 256  # the fake tokenizer's ids for ASCII text are 16 + code point < 256
 
@@ -288,7 +288,7 @@ def test_cli_saves_compares_and_prints_json(tmp_path, run_cli):
     script = (
         "import sys, time; sys.path.insert(0, '.');"
         "from tests.unit.test_eval_kld import DistributionEngine;"
-        "from glmctl.evals.fake_server import FakeServer;"
+        "from tests.fake_server import FakeServer;"
         "a = FakeServer(DistributionEngine()); b = FakeServer(DistributionEngine(noise=0.4));"
         "print(a.__enter__(), b.__enter__(), flush=True); time.sleep(600)"
     )

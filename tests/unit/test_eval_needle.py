@@ -1,5 +1,5 @@
 """Needle harness: placement at the intended depth in the rebuilt prompt, exact-match scoring,
-resumable JSONL, baselines and the heatmap, against glmctl.evals.fake_server (no vLLM)."""
+resumable JSONL, baselines and the heatmap, against tests.fake_server (no vLLM)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from glmctl.evals import needle as nd
 from glmctl.evals import needle_run
 from glmctl.evals.client import OpenAIServer
 from glmctl.evals.corpus import stdlib_text
-from glmctl.evals.fake_server import FakeEngine, FakeServer
 from glmctl.evals.tokenizer import ServerTokenizer
+from tests.fake_server import FakeEngine, FakeServer
 
 
 @pytest.fixture

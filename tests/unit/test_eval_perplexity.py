@@ -1,5 +1,5 @@
 """Perplexity: window planning edge cases, the maths against a server whose log-probs are known,
-paired baselines, and the CLI's errors. The server is glmctl.evals.fake_server (no vLLM)."""
+paired baselines, and the CLI's errors. The server is tests.fake_server (no vLLM)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from glmctl.evals import perplexity as ppl
 from glmctl.evals import stats
 from glmctl.evals.client import ContextTooLong, OpenAIServer, ServerError
 from glmctl.evals.corpus import SourceText, stdlib_text
-from glmctl.evals.fake_server import FakeEngine, FakeServer, encode, logprob
 from glmctl.evals.tokenizer import ServerTokenizer, prefix_added
+from tests.fake_server import FakeEngine, FakeServer, encode, logprob
 
 
 def _coverage(windows, n, window, stride, has_prefix):

@@ -171,7 +171,7 @@ def test_calibration_hessians_match_a_full_transformers_forward(tiny_checkpoint,
     import torch.nn.functional as F
     from glmctl.quantize.exl3_calibrate import calibration_rows
 
-    from glmctl.testing.hf_reference import load_transformers_model
+    from tests.hf_reference import load_transformers_model
 
     corpus = _calibration_text(tmp_path)
     settings = Exl3Settings(tp_degrees=(1,), calibration=(str(corpus),), calibration_tokens=128, calibration_row=64)

@@ -1,4 +1,4 @@
-"""eval perplexity, eval needle and bench against servers that misbehave (glmctl.evals.fake_server's
+"""eval perplexity, eval needle and bench against servers that misbehave (tests.fake_server's
 faults): each case asserts the exit code, the sentence, and that no valid-looking result was left."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from glmctl.evals.fake_server import FakeEngine, FakeServer
+from tests.fake_server import FakeEngine, FakeServer
 from tests.unit.cli_inproc import run_glmctl
 
 

@@ -165,3 +165,21 @@ def test_one_class_is_called_model_spec():
                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
                if isinstance(node, ast.ClassDef) and node.name == "ModelSpec"]
     assert defined == ["glmctl.plan.model"]
+
+
+def test_every_module_of_the_package_is_used_by_the_package():
+    """Nothing ships that only the tests use: each module is imported by another module, or named
+    by a string the package or pyproject.toml holds (entry points, vLLM's dotted backend paths, a
+    script run by file name). Test-only helpers live under tests/."""
+    graph = import_graph()
+    imported = set().union(*graph.values())
+    texts = [path.read_text(encoding="utf-8") for path in modules().values()]
+    texts.append((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    unused = []
+    for name, path in modules().items():
+        if path.name in ("__init__.py", "__main__.py") or name in imported:
+            continue
+        own = path.read_text(encoding="utf-8")
+        if not any(text is not own and (name in text or path.name in text) for text in texts):
+            unused.append(name)
+    assert not unused, f"modules no part of the package uses (move test-only helpers to tests/): {unused}"

@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 from glmctl.quantize.checkpoint import open_checkpoint  # noqa: E402
 from glmctl.quantize.fp8_plan import DEFAULT_MODULES, Fp8Settings, plan_fp8  # noqa: E402
 from glmctl.quantize.glm5next import LayerKinds, vllm_fate  # noqa: E402
-from glmctl.quantize.synthetic import SyntheticSpec, write_synthetic_checkpoint  # noqa: E402
 
 from glmctl.errors import UsageError  # noqa: E402
+from tests.synthetic_checkpoint import SyntheticSpec, write_synthetic_checkpoint  # noqa: E402
 from tests.unit._quantize_util import SMALL, copy_checkpoint, make_synthetic  # noqa: E402
 
 

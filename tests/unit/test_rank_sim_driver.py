@@ -18,9 +18,9 @@ import pytest
 from glmctl.evals import serving_bench as b
 from glmctl.evals.client import OpenAIServer
 from glmctl.evals.corpus import stdlib_text
-from glmctl.evals.fake_server import FakeEngine, FakeServer
 from glmctl.evals.tokenizer import ServerTokenizer
 from tests.conftest import REPO
+from tests.fake_server import FakeEngine, FakeServer
 
 sys.path.insert(0, str(REPO / "bench"))
 import rank_sim  # noqa: E402

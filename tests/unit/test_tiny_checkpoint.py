@@ -18,7 +18,7 @@ def _files(path: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def hf(tiny_checkpoint):
-    from glmctl.testing.hf_reference import load_transformers_model
+    from tests.hf_reference import load_transformers_model
 
     return load_transformers_model(tiny_checkpoint.path)
 

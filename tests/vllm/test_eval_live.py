@@ -51,7 +51,7 @@ def _transformers_logprobs(checkpoint: Path, prefix: list[int], ids: list[int], 
 
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("model_type", "").startswith("glm5_next"):
-        from glmctl.testing.hf_reference import load_transformers_model
+        from tests.hf_reference import load_transformers_model
 
         model = load_transformers_model(checkpoint, dtype=dtype).model
     else:

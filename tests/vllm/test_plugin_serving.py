@@ -91,7 +91,7 @@ def reference(tiny_checkpoint):
     import torch
     from transformers import AutoTokenizer
 
-    from glmctl.testing.hf_reference import load_transformers_model
+    from tests.hf_reference import load_transformers_model
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint.path)
     ids = {name: tok(text)["input_ids"] for name, text in PARITY_PROMPTS.items()}
@@ -187,7 +187,7 @@ def test_greedy_continuations_match_where_the_reference_is_decisive(server, refe
     import numpy as np
     import torch
 
-    from glmctl.testing.hf_reference import load_transformers_model
+    from tests.hf_reference import load_transformers_model
 
     spread = float(np.quantile(np.concatenate([
         np.abs(reference["bfloat16"][n] - reference["float32"][n]).numpy() for n in reference["ids"]

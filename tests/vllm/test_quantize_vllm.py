@@ -394,7 +394,7 @@ def _dequantised_copy(src: Path, dst: Path) -> Path:
 def _logits(checkpoint: Path, ids: list[int], dtype: str):
     import torch
 
-    from glmctl.testing.hf_reference import load_transformers_model
+    from tests.hf_reference import load_transformers_model
 
     model = load_transformers_model(checkpoint, dtype=dtype).model
     with torch.no_grad():

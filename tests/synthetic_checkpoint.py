@@ -1,4 +1,4 @@
-"""Synthetic GLM-5.3-Flash-named safetensors checkpoints for converter tests and the benchmark.
+"""Synthetic GLM-5.3-Flash-named safetensors checkpoints for the converter tests.
 
 Not a model: random values under the real checkpoint names and dtypes (KDA, MLA + indexer, dense
 MLP, MoE with routed and shared experts, mHC mixers, norms), with every size a parameter so tests

@@ -1,7 +1,9 @@
-"""INT8 payload codec, torch reference: the record format of `plan.Int8Layout`, written plainly.
+"""INT8 payload codec, torch reference for the tests: the record format of
+`glmctl.collectives.call_plan.Int8Layout`, written plainly.
 
-The Triton kernels in `kernels.py` produce the same records (up to a one-step rounding difference
-where the GPU contracts a multiply-add); tests compare the two, and bound the round-trip error:
+The Triton kernels in `glmctl/collectives/kernels.py` produce the same records (up to a one-step
+rounding difference where the GPU contracts a multiply-add); tests compare the two, and bound the
+round-trip error:
 per element at most half a quantization step, `amax(group) / 254`.
 """
 
