@@ -154,3 +154,15 @@ def test_cli_reports_on_the_live_server(live, run_cli, tmp_path):
     assert doc["tokens_scored"] > 250 and doc["perplexity"] > 1
     too_long = run_cli("bench", "--url", live.url, "--context", "64k", "--sessions", "1")
     assert too_long.returncode == 2 and "max_model_len" in too_long.stderr
+
+
+def test_humaneval_runs_against_the_live_server(live, run_cli, tmp_path):
+    """vLLM's OpenAI server validates the request as the API does (at most four stop sequences):
+    the harness's requests are accepted, and each program runs (random weights pass none)."""
+    out = tmp_path / "he.jsonl"
+    proc = run_cli("eval", "humaneval", "--url", live.url, "--problems", "0-1", "--max-tokens", "16",
+                   "--out", str(out), "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert (doc["kind"], doc["problems"]) == ("humaneval", 2)
+    assert len(out.read_text().splitlines()) == 3  # the header and one line per problem
