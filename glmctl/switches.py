@@ -208,6 +208,14 @@ def read(name: str, env: Mapping[str, str] | None = None):
     return _BY_NAME[name].parse((os.environ if env is None else env).get(name))
 
 
+def plugin_off(env: Mapping[str, str] | None = None) -> bool:
+    """GLMCTL_PLUGIN=off. A bad value counts as not off here: the plugin's own line reports it."""
+    try:
+        return read("GLMCTL_PLUGIN", env) == "off"
+    except ValueError:
+        return False
+
+
 def snapshot() -> dict[str, str]:
     """The GLMCTL_* variables as they are now, for `read(name, env)` later."""
     return {k: v for k, v in os.environ.items() if k.startswith("GLMCTL_")}

@@ -32,19 +32,11 @@ from glmctl.quantize.exl3_format import QUANT_METHOD, Exl3ExpertsSpec, layer_ind
 def register_exl3_quantization(env: Mapping[str, str] | None = None) -> bool:
     """Register `glmctl_exl3` with vLLM (idempotent; respects the switches, read from `env` or
     this process's environment). True if registered."""
-    if not switches.read("GLMCTL_EXL3", env) or _plugin_off(env):
+    if not switches.read("GLMCTL_EXL3", env) or switches.plugin_off(env):
         return False
     if QUANT_METHOD not in QUANTIZATION_METHODS or get_quantization_config(QUANT_METHOD) is not Exl3ExpertsConfig:
         register_quantization_config(QUANT_METHOD)(Exl3ExpertsConfig)
     return True
-
-
-
-def _plugin_off(env: Mapping[str, str] | None) -> bool:
-    try:
-        return switches.read("GLMCTL_PLUGIN", env) == "off"
-    except ValueError:
-        return False  # the plugin's own line reports the bad value
 
 class Exl3ExpertsConfig(QuantizationConfig):
     """GLM-5.3-Flash with EXL3 routed experts (glmctl-exl3/1)."""

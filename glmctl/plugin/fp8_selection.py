@@ -65,11 +65,7 @@ _SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mtp_block\.)?self_attn\.(.+)$")
 
 
 def switched_off(env: Mapping[str, str] | None = None) -> bool:
-    try:
-        plugin_off = switches.read("GLMCTL_PLUGIN", env) == "off"
-    except ValueError:
-        plugin_off = False  # the plugin's own line reports the bad value
-    return plugin_off or not switches.read("GLMCTL_FP8_ATTENTION", env)
+    return switches.plugin_off(env) or not switches.read("GLMCTL_FP8_ATTENTION", env)
 
 
 def method_kind(platform_is_cpu: bool, env: Mapping[str, str] | None = None) -> str:

@@ -232,7 +232,7 @@ def install_collectives(env: Mapping[str, str] | None = None) -> bool:
     except ConfigError as exc:
         logger.error("glmctl collectives: not installed (%s)", exc)
         return False
-    if settings.mode == "vllm" or _plugin_off(env):
+    if settings.mode == "vllm" or switches.plugin_off(env):
         return False
     from vllm.platforms import current_platform
 
@@ -244,13 +244,6 @@ def install_collectives(env: Mapping[str, str] | None = None) -> bool:
 
     patch_cuda_communicator(CudaCommunicator, settings)
     return True
-
-
-def _plugin_off(env: Mapping[str, str] | None) -> bool:
-    try:
-        return switches.read("GLMCTL_PLUGIN", env) == "off"
-    except ValueError:
-        return False  # the plugin's own line reports the bad value
 
 
 def patch_cuda_communicator(cls, settings: CollectivesSettings) -> None:

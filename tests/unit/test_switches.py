@@ -109,3 +109,10 @@ def test_the_docs_table_lists_every_variable():
     for s in switches.SWITCHES:
         assert f"| `{s.name}` |" in table
     assert (ROOT / "docs" / "cli.md").read_text().rstrip().endswith(table.rstrip())
+
+
+def test_plugin_off_reads_only_off_and_leaves_a_bad_value_to_the_plugins_own_report():
+    assert switches.plugin_off({"GLMCTL_PLUGIN": "off"}) is True
+    assert switches.plugin_off({"GLMCTL_PLUGIN": "auto"}) is False
+    assert switches.plugin_off({}) is False
+    assert switches.plugin_off({"GLMCTL_PLUGIN": "sideways"}) is False
