@@ -85,9 +85,9 @@ GREEDY_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
-    """transformers' logprobs of every prompt token (fp32 and bf16) and at every position the fp32
-    routing gap (`routing_gap`: the smallest, over the MoE layers, score gap between the last
-    expert chosen and the first one left out)."""
+    """transformers' logprobs of every prompt token (fp32 and bf16), at every position the fp32
+    routing gap (`routing_gap`, see `_routing_gap`), and the fp32 forward itself
+    (`fp32_forward`)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -97,21 +97,13 @@ def reference(tiny_checkpoint):
     ids = {name: tok(text)["input_ids"] for name, text in PARITY_PROMPTS.items()}
     out = {"ids": ids, "float32": {}, "bfloat16": {}, "routing_gap": {}}
     for dtype in ("float32", "bfloat16"):
-        model = load_transformers_model(tiny_checkpoint.path, dtype=dtype).model
-        gaps: list[torch.Tensor] = []
-        if dtype == "float32":
-            for module in model.modules():
-                if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
-                    module.register_forward_hook(lambda mod, _inp, res, into=gaps: into.append(_routing_gap(mod, res[0])))
+        run = _forward_with_routing_gaps(load_transformers_model(tiny_checkpoint.path, dtype=dtype).model)
         for name, seq in ids.items():
-            x = torch.tensor([seq])
-            gaps.clear()
-            with torch.no_grad():
-                lp = torch.log_softmax(model(input_ids=x).logits[0].float(), -1)
+            lp, gap = run(seq)
             if dtype == "float32":
-                out["routing_gap"][name] = torch.stack(gaps).min(dim=0).values.numpy()
-            out[dtype][name] = lp[:-1].gather(1, x[0, 1:, None])[:, 0]
-        del model
+                out["routing_gap"][name] = gap.numpy()
+                out["fp32_forward"] = run  # the greedy test scores the served paths with it
+            out[dtype][name] = lp[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
     return out
 
 
@@ -122,6 +114,25 @@ def reference(tiny_checkpoint):
 # swap depends on bf16 rounding details (vLLM's AVX2 and AVX-512 builds differ), so those
 # positions are judged only in the pooled figures.
 ROUTING_TIE = 0.006
+
+
+def _forward_with_routing_gaps(model):
+    """`run(ids) -> (log-probs per position, routing gap per position)` for a transformers model:
+    hooks on every MoE router record each layer's gaps, the smallest over layers is returned."""
+    import torch
+
+    gaps: list[torch.Tensor] = []
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
+            module.register_forward_hook(lambda mod, _inp, res: gaps.append(_routing_gap(mod, res[0])))
+
+    def run(ids: list[int]):
+        gaps.clear()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        return lp, torch.stack(gaps).min(dim=0).values
+
+    return run
 
 
 def _routing_gap(router, logits):
@@ -177,7 +188,7 @@ def test_prompt_logprobs_match_transformers_within_its_own_bf16_spread(server, r
         assert corr > 0.99, name
 
 
-def test_greedy_continuations_match_where_the_reference_is_decisive(server, reference, tiny_checkpoint):
+def test_greedy_continuations_match_where_the_reference_is_decisive(server, reference):
     """Every token of the served greedy path is transformers' fp32 greedy choice for the served
     prefix (teacher-forced, so one near-tie does not end the comparison), within the reference's
     own fp32-vs-bf16 spread (the 99th percentile of the prompt-logprob differences above: on
@@ -185,26 +196,15 @@ def test_greedy_continuations_match_where_the_reference_is_decisive(server, refe
     routing is decisive by twice ROUTING_TIE (a step's hidden state also carries, through
     attention, the perturbation of every earlier position whose experts swapped)."""
     import numpy as np
-    import torch
-
-    from tests.hf_reference import load_transformers_model
 
     spread = float(np.quantile(np.concatenate([
         np.abs(reference["bfloat16"][n] - reference["float32"][n]).numpy() for n in reference["ids"]
     ]), 0.99))
-    model = load_transformers_model(tiny_checkpoint.path, dtype="float32").model
-    gaps: list[torch.Tensor] = []
-    for module in model.modules():
-        if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
-            module.register_forward_hook(lambda mod, _inp, res, into=gaps: into.append(_routing_gap(mod, res[0])))
     checked_total = argmax_total = 0
     for name, seq in reference["ids"].items():
         served = served_token_ids(server, seq, GREEDY_TOKENS)
         assert len(served) == GREEDY_TOKENS, name
-        gaps.clear()
-        with torch.no_grad():
-            lp = torch.log_softmax(model(input_ids=torch.tensor([seq + served])).logits[0].float(), -1)
-        gap = torch.stack(gaps).min(dim=0).values
+        lp, gap = reference["fp32_forward"](seq + served)
         shortfalls = []
         for step, got in enumerate(served):
             pos = len(seq) - 1 + step
