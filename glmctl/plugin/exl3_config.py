@@ -6,8 +6,10 @@ in every vLLM process, before vLLM parses the model config. `get_quant_method` a
   - the routed experts (vLLM's `RoutedExperts`) of a converted MoE layer -> `Exl3MoEMethod`
     (glmctl.plugin.exl3_method, imported only then: it pulls in vLLM's fused-MoE modules);
   - everything else -> what the source format needs: vLLM's own `Fp8Config` for a block-FP8
-    source (`non_experts`), or unquantized (None) for bf16. The shared expert is an ordinary
-    MLP, so it stays exactly as it was.
+    source (`non_experts`); for bf16, vLLM's unquantized methods (`UnquantizedLinearMethod`,
+    `UnquantizedFusedMoEMethod` for an unconverted MoE layer; vLLM's linear layers refuse a
+    config that answers None). The shared expert is an ordinary MLP, so it stays exactly as it
+    was.
 
 Switches: GLMCTL_EXL3=off (or GLMCTL_PLUGIN=off) registers nothing.
 """
@@ -84,11 +86,29 @@ class Exl3ExpertsConfig(QuantizationConfig):
             from glmctl.plugin.exl3_method import Exl3MoEMethod
 
             return Exl3MoEMethod(layer.moe_config, self.spec)
-        return self.inner.get_quant_method(layer, prefix) if self.inner is not None else None
+        if self.inner is not None:
+            return self.inner.get_quant_method(layer, prefix)
+        return _unquantized_method(layer)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.inner is not None:
             self.inner.apply_vllm_mapper(hf_to_vllm_mapper)
+
+
+def _unquantized_method(layer: torch.nn.Module):
+    """vLLM's own method for a bf16 layer of a checkpoint whose config is ours (None for layers
+    that take no method, e.g. attention, which vLLM then builds unquantized)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    if isinstance(layer, LinearBase):
+        return UnquantizedLinearMethod()
+    if isinstance(layer, RoutedExperts):
+        return UnquantizedFusedMoEMethod(layer.moe_config)
+    return None
 
 
 def _non_experts_config(qc: dict | None) -> QuantizationConfig | None:

@@ -60,6 +60,36 @@ def test_config_routes_converted_layers_and_hands_the_rest_to_the_source_format(
         Exl3ExpertsConfig.from_config(_spec(non_experts={"quant_method": "awq"}))
 
 
+def test_bf16_layers_get_vllms_unquantized_methods_never_none():
+    """vLLM's linear layers raise "All linear layers should support quant method" when a
+    checkpoint's config answers None for them (the EXL3 engine died so on CUDA): a bf16 source
+    hands every linear, and every unconverted MoE layer, to vLLM's unquantized method."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    from glmctl.plugin.exl3_config import Exl3ExpertsConfig
+
+    config = Exl3ExpertsConfig.from_config(_spec())
+    linear = object.__new__(LinearBase)  # the type is what the config dispatches on
+    assert isinstance(config.get_quant_method(linear, "model.layers.0.mlp.gate_up_proj"),
+                      UnquantizedLinearMethod)
+    assert isinstance(config.get_quant_method(linear, "model.layers.1.self_attn.q_a_proj"),
+                      UnquantizedLinearMethod)
+    experts = object.__new__(RoutedExperts)
+    experts.__dict__["moe_config"] = SimpleNamespace()
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as unq
+
+    built = []
+    original = unq.UnquantizedFusedMoEMethod.__init__
+    try:
+        unq.UnquantizedFusedMoEMethod.__init__ = lambda self, moe: built.append(moe)
+        method = config.get_quant_method(experts, "model.layers.2.mlp.experts")  # not converted
+    finally:
+        unq.UnquantizedFusedMoEMethod.__init__ = original
+    assert isinstance(method, unq.UnquantizedFusedMoEMethod) and built == [experts.moe_config]
+    assert config.get_quant_method(object(), "model.layers.1.self_attn.attn") is None
+
+
 class _Layer:
     """The parts of vLLM's RoutedExperts the method touches."""
 
