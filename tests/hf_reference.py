@@ -61,3 +61,44 @@ def load_transformers_model(path: str | os.PathLike, dtype: str = "float32") -> 
             hint="the checkpoint does not match transformers' glm5_next; rebuild it with this glmctl",
         )
     return TransformersLoad(model=model.eval(), unused_checkpoint_keys=sorted(info["unexpected_keys"]))
+
+
+
+
+def forward_with_routing_gaps(model):
+    """`run(ids) -> (log-probs per position, routing gap per position)` for a transformers model:
+    hooks on every MoE router record each layer's gaps, the smallest over layers is returned
+    (tests.vllm.noise_floor.ROUTING_TIE says which gaps a bf16 run may flip)."""
+    import torch
+
+    gaps: list[torch.Tensor] = []
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
+            module.register_forward_hook(lambda mod, _inp, res: gaps.append(routing_gap(mod, res[0])))
+
+    device = next(model.parameters()).device
+
+    def run(ids):
+        """`ids`: a list of token ids, or a [1, n] tensor on the model's device."""
+        gaps.clear()
+        input_ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=device)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=input_ids).logits[0].float(), -1)
+        return lp, torch.stack(gaps).min(dim=0).values
+
+    return run
+
+
+def routing_gap(router, logits):
+    """Per token: score of the k-th chosen expert minus the best expert left out (fp32)."""
+    import torch
+
+    scores = logits.float().sigmoid() + router.e_score_correction_bias.float()
+    groups = getattr(router, "num_group", 1) or 1
+    if groups > 1:
+        per_group = scores.view(scores.shape[0], groups, -1)
+        kept = per_group.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
+        mask = torch.zeros(scores.shape[0], groups, dtype=torch.bool, device=scores.device).scatter_(1, kept, True)
+        scores = scores.masked_fill(~mask.repeat_interleave(per_group.shape[-1], dim=1), float("-inf"))
+    top = scores.topk(router.top_k + 1, dim=-1).values
+    return top[:, router.top_k - 1] - top[:, router.top_k]

@@ -92,6 +92,25 @@ if [ -f "$dflash" ]; then
   echo "$dflash_pid" > "$GLMCTL_LANE_PGID_DIR/$dflash_pid.pgid"
 fi
 
+# VLLM_LANE_SHADOW=1: the kernel shadow check (tests/gpu/vllm_shadow_check.py: every CUDA kernel
+# of the indexer and sparse MLA against its torch reference inside real vLLM, V2 and V1 model
+# runners) beside stage B, from warm.done to 30 s before the end; its tables print last.
+shadow_pid=
+if [ "${VLLM_LANE_SHADOW:-0}" = 1 ]; then
+  setsid bash -c '
+    while [ ! -f "$GLMCTL_GPU_LANE_WORK/warm.done" ] && [ ! -f "$GLMCTL_GPU_LANE_WORK/lane.ended" ]; do sleep 1; done
+    secs=$(( $1 - $(date +%s) ))
+    [ "$secs" -gt 30 ] || { echo "shadow check not run: ${secs} s left"; exit 124; }
+    python3 -m glmctl testing tiny-checkpoint "$GLMCTL_GPU_LANE_WORK/shadow-tiny" --quiet --force || exit 1
+    timeout --kill-after=5 "$secs" python3 tests/gpu/vllm_shadow_check.py "$GLMCTL_GPU_LANE_WORK/shadow-tiny" \
+      "$OUT/shadow-v2.json" > "$GLMCTL_GPU_LANE_WORK/shadow-v2.log" 2>&1 &
+    VLLM_USE_V2_MODEL_RUNNER=0 timeout --kill-after=5 "$secs" python3 tests/gpu/vllm_shadow_check.py \
+      "$GLMCTL_GPU_LANE_WORK/shadow-tiny" "$OUT/shadow-v1.json" > "$GLMCTL_GPU_LANE_WORK/shadow-v1.log" 2>&1 &
+    wait' _ $(( started + budget - 30 )) > "$OUT/vllm-lane-shadow.log" 2>&1 &
+  shadow_pid=$!
+  echo "$shadow_pid" > "$GLMCTL_LANE_PGID_DIR/$shadow_pid.pgid"
+fi
+
 # the lane's own deadline (epoch s), then judging, logs and the table
 export GLMCTL_GPU_LANE_DEADLINE=$(( started + budget - 45 ))
 echo "lane deadline in $(left 45) s, script budget ${budget} s ($(date +%T))"
@@ -108,6 +127,7 @@ if [ -n "$dflash_pid" ]; then
   [ $drc -eq 0 ] || [ $rc -ne 0 ] || rc=$drc
 fi
 wait "$env_pid" 2>/dev/null
+[ -n "$shadow_pid" ] && wait "$shadow_pid"
 python3 tests/gpu/vllm_lane_schedule.py stop "$GLMCTL_LANE_PGID_DIR"  # what a killed pytest left running
 tar -C "$GLMCTL_GPU_LANE_WORK" -czf "$OUT/vllm-lane-logs.tar.gz" \
   $(cd "$GLMCTL_GPU_LANE_WORK" && ls *.log *.json warm.done 2>/dev/null) 2>/dev/null
@@ -116,6 +136,10 @@ grep -E " (passed|failed|skipped|error)|^DFlash2" "$OUT/vllm-lane-dflash2.log" 2
 echo "pytest exit $rc after $(( $(date +%s) - started )) s (script budget ${budget} s)"
 [ -n "$dflash_pid" ] && python3 tests/gpu/lane_record.py "$GLMCTL_GPU_LANE_RECORD" "$dwhy" --no-table \
   --cases dflash2_greedy dflash2_greedy_graphed dflash2_capacity
+for runner in v2 v1; do  # the shadow check's tables (VLLM_LANE_SHADOW=1)
+  [ -f "$GLMCTL_GPU_LANE_WORK/shadow-$runner.log" ] || continue
+  grep -A40 "^shadow check" "$GLMCTL_GPU_LANE_WORK/shadow-$runner.log" || tail -n 4 "$GLMCTL_GPU_LANE_WORK/shadow-$runner.log"
+done
 python3 tests/gpu/lane_record.py "$GLMCTL_GPU_LANE_RECORD" "$why"
 rm -f "$GLMCTL_GPU_LANE_RECORD.lock"
 exit $rc

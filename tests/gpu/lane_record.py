@@ -28,7 +28,8 @@ from pathlib import Path
 RECORD_ENV = "GLMCTL_GPU_LANE_RECORD"
 REQUIRED_CASES = (
     "eager", "graphs_full", "graphs_piecewise", "kv_fp8", "kv_fp8_ds_mla", "mtp3_greedy",
-    "mtp3_sampled", "fp8_attention", "exl3_experts", "serve_http", "plan_capacity",
+    "mtp3_sampled", "fp8_attention", "exl3_experts", "exl3_experts_graphs", "batch_invariance",
+    "serve_http", "plan_capacity",
 )
 
 

@@ -144,11 +144,16 @@ def _first_divergence(a, b):
 TIE_NATS = 0.05  # bf16 on GPU: a top-1 margin this small is inside the kernels' rounding
 
 
-def greedy_verdict(plain: dict, runs: dict, mode: str) -> tuple[bool, str, list]:
+def greedy_verdict(plain: dict, runs: dict, mode: str, routing_gap=None) -> tuple[bool, str, list]:
     """The MTP tests' rule: equal to plain decoding in the verify shape ("batch6"), token for
     token; a divergence only where plain decoding alone ("single") takes the same token from the
-    same prefix (a near-tie resolved differently by another batch composition), or where plain
-    decoding's top-1 margin is under TIE_NATS and the token taken is its second choice."""
+    same prefix (a near-tie resolved differently by another batch composition), where plain
+    decoding's top-1 margin is under TIE_NATS and the token taken is its second choice, or where
+    transformers fp32's MoE routing at that position is itself a near-tie (`routing_gap(name,
+    shared tokens)` below 2 x ROUTING_TIE: bf16 noise of another batch shape may swap an expert
+    there, as tests/vllm/noise_floor.py says)."""
+    from tests.vllm.noise_floor import ROUTING_TIE
+
     problems, ties = [], []
     for name in PROMPTS:
         want, got, alone = _tokens(plain["batch6"][name]), _tokens(runs[name]), _tokens(plain["single"][name])
@@ -161,12 +166,38 @@ def greedy_verdict(plain: dict, runs: dict, mode: str) -> tuple[bool, str, list]
         top = plain["batch6"][name][i]["top"]
         margin = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
         second = top[1][0] if len(top) > 1 else None
+        gap = routing_gap(name, want[:i]) if routing_gap is not None else None
         if alone[: i + 1] == got[: i + 1] or (margin <= TIE_NATS and got[i] == second):
             ties.append((name, i, round(margin, 4)))
+        elif gap is not None and gap < 2 * ROUTING_TIE:
+            ties.append((name, i, f"routing gap {gap:.4f}"))
         else:
-            problems.append(f"{mode} {name}: step {i} gives {got[i]}, plain {want[i]} (margin {margin:.3f} nats), "
-                            "not reproduced by plain decoding alone")
+            problems.append(f"{mode} {name}: step {i} gives {got[i]}, plain {want[i]} (margin {margin:.3f} nats"
+                            + (f", routing gap {gap:.4f}" if gap is not None else "")
+                            + "), not reproduced by plain decoding alone")
     return not problems, "; ".join(problems), ties
+
+
+def _routing_gaps(checkpoint: Path, ids: dict):
+    """`gap(name, shared)`: transformers fp32's MoE routing gap at the position after prompt +
+    `shared` (tests.hf_reference), on this GPU; None for a prompt whose ids are unknown."""
+    import torch
+
+    from tests.hf_reference import forward_with_routing_gaps, load_transformers_model
+
+    forward = []
+
+    def gap(name: str, shared: list[int]):
+        if name not in ids:
+            return None
+        if not forward:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            model = load_transformers_model(checkpoint, "float32").model.to("cuda")
+            forward.append(forward_with_routing_gaps(model))
+        _, gaps = forward[0](list(ids[name]) + list(shared))
+        return float(gaps[-1])
+
+    return gap
 
 
 def _greedy_case(name: str, mode_llm: dict, checkpoints, tmp_path) -> None:
@@ -181,8 +212,9 @@ def _greedy_case(name: str, mode_llm: dict, checkpoints, tmp_path) -> None:
         plain, d = out["plain"], out["dflash2"]
         data.update(placement=d["placement"], kv_tokens=d["kv_tokens"], facts=d["facts"], engine_seconds=d["seconds"],
                     counters=d["counters"], oracle_counters=d.get("oracle_counters"))
-        ok_n, why_n, ties_n = greedy_verdict(plain, d["natural"], "natural")
-        ok_o, why_o, ties_o = greedy_verdict(plain, d["oracle"], "oracle")
+        gap = _routing_gaps(checkpoints[0], d.get("ids") or plain.get("ids") or {})
+        ok_n, why_n, ties_n = greedy_verdict(plain, d["natural"], "natural", gap)
+        ok_o, why_o, ties_o = greedy_verdict(plain, d["oracle"], "oracle", gap)
         per_position = d["oracle_counters"]["vllm:spec_decode_num_accepted_tokens_per_pos"]
         drafts = d["counters"]["vllm:spec_decode_num_drafts"]
         checks = {

@@ -3,7 +3,8 @@
 Pairs compared (`divergence_pairs`): CUDA graphs (FULL, PIECEWISE) against eager, each prompt
 alone and the eager-vs-graphs question's two prompts batched; graphs alone against graphs batched
 (a plan or workspace chosen per captured batch size would show there); eager alone against
-batched (the same question without graphs); the EXL3 checkpoint graphed against eager; MTP-3's
+batched (the same question without graphs); every prompt alone against all eight in one batch,
+eager and FULL graphs (`batch_invariance`); the EXL3 checkpoint graphed against eager; MTP-3's
 natural and steered runs against plain decoding of four copies. Where a pair parts off
 transformers' own fp32 greedy path, its top-2 at the shared prefix is asked for in stage C
 (`probe_requests`); `classify` then applies the noise-floor rule (tests/vllm/noise_floor.py).
@@ -45,8 +46,9 @@ def steps_tokens(steps: list[dict]) -> list[int]:
     return [s["token"] for s in steps]
 
 
-def margins(ref_steps: list[dict]) -> list[tuple[int, float]]:
-    return [(s["token"], s["top"][0][1] - s["top"][1][1]) for s in ref_steps]
+def margins(ref_steps: list[dict]) -> list[tuple]:
+    """(token, top-1 margin, routing gap) per reference step (the gap None in older records)."""
+    return [(s["token"], s["top"][0][1] - s["top"][1][1], s.get("routing_gap")) for s in ref_steps]
 
 
 def floor(run: LaneRun) -> float:
@@ -60,20 +62,27 @@ def prefix_key(name: str, tokens: list[int]) -> str:
     return f"{name}|{','.join(map(str, tokens))}"
 
 
-def _reference_top2(run: LaneRun, checkpoint: str, name: str, shared: list[int]):
-    """transformers fp32's top-2 after prompt + `shared`: from its greedy path when `shared` is
-    on it, else from the probes of stage C; None when neither has it."""
+def _reference_step(run: LaneRun, checkpoint: str, name: str, shared: list[int]):
+    """transformers fp32 after prompt + `shared`: (top-2, routing gap or None), from its greedy
+    path when `shared` is on it, else from the probes of stage C; None when neither has it."""
     if checkpoint == "bf16":
         ref_steps = reference(run).get("greedy", {}).get(name, [])
         i = len(shared)
         if i < len(ref_steps) and steps_tokens(ref_steps[:i]) == shared:
-            return tuple(tuple(x) for x in ref_steps[i]["top"])
+            return tuple(tuple(x) for x in ref_steps[i]["top"]), ref_steps[i].get("routing_gap")
     probes = run.probes.get(checkpoint)
     if isinstance(probes, dict) and "error" not in probes:
-        top = probes.get(prefix_key(name, shared))
-        if top is not None:
-            return tuple(tuple(x) for x in top)
+        probe = probes.get(prefix_key(name, shared))
+        if isinstance(probe, dict):
+            return tuple(tuple(x) for x in probe["top"]), probe.get("routing_gap")
+        if probe is not None:  # a record of the top-2 alone
+            return tuple(tuple(x) for x in probe), None
     return None
+
+
+def _reference_top2(run: LaneRun, checkpoint: str, name: str, shared: list[int]):
+    step = _reference_step(run, checkpoint, name, shared)
+    return None if step is None else step[0]
 
 
 def divergence_pairs(run: LaneRun) -> list[tuple[str, str, str, str, list, list]]:
@@ -97,6 +106,8 @@ def divergence_pairs(run: LaneRun) -> list[tuple[str, str, str, str, list, list]
         add("bf16", g, "eager", "batch", g, "batch", ISSUE_PAIR)
         add("bf16", g, g, "alone", g, "batch", ISSUE_PAIR)
     add("bf16", "eager", "eager", "alone", "eager", "batch", ISSUE_PAIR)
+    for label in ("eager", "graphs_full"):
+        add("bf16", "batch_invariance", label, "alone", label, "batch8", names)
     add("exl3_deq", "exl3", "exl3_eager", "alone", "exl3_graphs", "alone", names)
     add("exl3_deq", "exl3", "exl3_eager", "batch", "exl3_graphs", "batch", ISSUE_PAIR)
     try:
@@ -115,6 +126,9 @@ def _runs(greedy: dict, kind: str, name: str):
         return greedy.get("alone", {}).get(name)
     if kind == "batch":
         return greedy.get("batches", {}).get("+".join(ISSUE_PAIR), {}).get(name)
+    if kind == "batch8":  # the batch of every prompt run alone
+        every = "+".join(greedy.get("alone", {}))
+        return greedy.get("batches", {}).get(every, {}).get(name) if len(greedy.get("alone", {})) > 2 else None
     return greedy.get(kind, {}).get(name)
 
 
@@ -147,8 +161,10 @@ def classify(run: LaneRun, what: str) -> list[tuple[str, nf.Divergence]]:
         if kind != what:
             continue
         i = first_part(a, b)
-        top2 = _reference_top2(run, ckpt, name, steps_tokens(a[:i])) if i is not None else None
-        out.append((label, nf.classify_divergence(name, a, b, fl, top2, f"transformers fp32 ({ckpt})")))
+        step = _reference_step(run, ckpt, name, steps_tokens(a[:i])) if i is not None else None
+        top2, gap = step if step is not None else (None, None)
+        out.append((label, nf.classify_divergence(name, a, b, fl, top2, f"transformers fp32 ({ckpt})",
+                                                  routing_gap=gap)))
     return out
 
 

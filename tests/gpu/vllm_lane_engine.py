@@ -206,6 +206,8 @@ def run_engine(checkpoint: str, spec: dict, log: _LogLines) -> dict:
     kv = [k for k in kv if k is not None]
     result["kv_log"] = kv[0].__dict__ if kv else None
     result["plugin_lines"] = [ln for ln in log.lines[first_line:] if ln.startswith("glmctl")][:8]
+    # vLLM's kernel choices ("Selected MarlinFP8ScaledMMLinearKernel for Fp8LinearMethod", ...)
+    result["kernel_lines"] = sorted({ln for ln in log.lines[first_line:] if ln.startswith("Selected ")})[:16]
 
     if spec.get("prompt_logprobs"):
         t = time.perf_counter()

@@ -8,9 +8,11 @@ REQUEST: {"device": "cuda" | "cpu", "checkpoints": [{"label": L, "path": DIR,
           "probes": {key: [ids]}}]}                          # fp32 top-2 after these ids (optional)
 
 For every checkpoint and dtype: log p of each prompt token 1..n-1 ("prompt_logprobs"). In fp32:
-the greedy continuation by full recomputation, each step as {"token", "top": [[id, log p] x 2]}
-(the format of vLLM's top-2 logprobs), and for each probe the top-2 of the next token. fp32 means
-fp32: TF32 is off for matmuls and cuDNN convolutions.
+the greedy continuation by full recomputation, each step as {"token", "top": [[id, log p] x 2],
+"routing_gap"} (the format of vLLM's top-2 logprobs), for each probe {"top": the top-2 of the next
+token, "routing_gap"}, and per prompt the routing gap of every scored position ("routing_gap":
+tests.hf_reference.routing_gap, the smallest over the MoE layers; below 2 x ROUTING_TIE a bf16
+run may swap an expert there). fp32 means fp32: TF32 is off for matmuls and cuDNN convolutions.
 """
 
 from __future__ import annotations
@@ -30,35 +32,43 @@ def _top2(logprobs) -> list:
 def run_checkpoint(spec: dict, device: str) -> dict:
     import torch
 
-    from tests.hf_reference import load_transformers_model
+    from tests.hf_reference import forward_with_routing_gaps, load_transformers_model
 
     out: dict = {}
     for dtype in spec.get("dtypes", ["float32"]):
         model = load_transformers_model(spec["path"], dtype=dtype).model.to(device)
+        forward = forward_with_routing_gaps(model)
 
-        def logprobs(ids: list[int], model=model):
+        def logprobs(ids: list[int], forward=forward):
+            """(log p per position, routing gap per position)"""
             with torch.inference_mode():
-                logits = model(input_ids=torch.tensor([ids], device=device)).logits[0].float()
-            return torch.log_softmax(logits, -1)
+                lp, gap = forward(torch.tensor([ids], device=device))
+            return lp, gap.float().cpu()
 
-        prompt = {}
+        prompt, gaps = {}, {}
         for name, ids in spec["prompts"].items():
-            lp = logprobs(ids)
+            lp, gap = logprobs(ids)
             target = torch.tensor(ids[1:], device=device)
             prompt[name] = lp[:-1].gather(1, target[:, None])[:, 0].cpu().tolist()
+            gaps[name] = gap[:-1].tolist()  # position i predicts token i + 1
         out[dtype] = prompt
         if dtype == "float32":
+            out["routing_gap"] = gaps
             greedy = spec.get("greedy") or {}
             paths = {}
             for name in greedy.get("prompts", []):
                 seq, steps = list(spec["prompts"][name]), []
                 for _ in range(greedy["tokens"]):
-                    top = _top2(logprobs(seq)[-1])
-                    steps.append({"token": top[0][0], "top": top})
+                    lp, gap = logprobs(seq)
+                    top = _top2(lp[-1])
+                    steps.append({"token": top[0][0], "top": top, "routing_gap": float(gap[-1])})
                     seq.append(top[0][0])
                 paths[name] = steps
             out["greedy"] = paths
-            out["probes"] = {key: _top2(logprobs(ids)[-1]) for key, ids in (spec.get("probes") or {}).items()}
+            out["probes"] = {}
+            for key, ids in (spec.get("probes") or {}).items():
+                lp, gap = logprobs(ids)
+                out["probes"][key] = {"top": _top2(lp[-1]), "routing_gap": float(gap[-1])}
         del model
         if device == "cuda":
             torch.cuda.empty_cache()

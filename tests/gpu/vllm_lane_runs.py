@@ -50,6 +50,12 @@ MODES = {"eager": {"enforce_eager": True},
          "piecewise": {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
          "default": {}}  # vLLM's default for this model: FULL_AND_PIECEWISE (profiles run this)
 ENGINE_SETTINGS = {"max_model_len": 4096, "max_num_seqs": 8, "max_num_batched_tokens": 4096}
+# The block-FP8 linear kernel an sm_89 node gets (Marlin FP8, W8A16): vLLM 0.30 picks the first of
+# its block-FP8 kernels that runs, and these four run only on sm_90+ (as bench/gpu/rank_sim.sh
+# forces it). Without this the H200 takes CUTLASS block-scaled W8A8, which an L40 never runs.
+SM89_FP8_LINEAR_ENV = {"VLLM_DISABLED_KERNELS": "FlashInferFp8DeepGEMMDynamicBlockScaledKernel,"
+                       "DeepGemmFp8BlockScaledMMKernel,CutlassFp8BlockScaledMMKernel,"
+                       "B12xFp8BlockScaledMMKernel"}
 
 
 def gpu_engine_args(mode: str, kv_cache_dtype: str = "auto", **extra) -> dict:
@@ -97,9 +103,12 @@ def _request(work: Path, label: str, body: dict) -> Path:
 
 
 def engine_job(env: dict, work: Path, label: str, checkpoint: Path, spec: dict, timeout: float) -> Job:
+    """One engine process; `spec["env"]` (optional) adds to the lane's environment for it alone."""
+    extra = spec.get("env", {})
+    spec = {k: v for k, v in spec.items() if k != "env"}
     request = _request(work, label, {"checkpoint": str(checkpoint), "engines": [{"label": label, **spec}]})
     return Job(label, [sys.executable, str(GPU / "vllm_lane_engine.py"), str(request)], work / f"{label}.log",
-               timeout, env, cwd=REPO)
+               timeout, {**env, **extra}, cwd=REPO)
 
 
 def reference_job(env: dict, device: str, work: Path, label: str, checkpoints: list[dict], timeout: float) -> Job:
@@ -173,19 +182,26 @@ def engine_specs(prompts: dict, target: Target = CUDA) -> dict[str, tuple[str, d
     args = target.engine_args
     names = list(prompts)
     fixture_names = [n for n in names if n in lane_fixture.PROMPTS]
-    greedy = {"tokens": GREEDY_TOKENS, "alone": [n for n in names if n != STDLIB], "batches": [list(ISSUE_PAIR)]}
+    alone = [n for n in names if n != STDLIB]
+    greedy = {"tokens": GREEDY_TOKENS, "alone": alone, "batches": [list(ISSUE_PAIR)]}
+    # every prompt alone and all of them in one batch (8 requests): the batch-invariance question
+    batched = {**greedy, "batches": [list(ISSUE_PAIR), alone]}
     base = {"prompts": prompts, "prompt_logprobs": names, "greedy": greedy}
     return {
-        "eager": ("bf16", {**base, "llm": args("eager")}),
+        "eager": ("bf16", {**base, "llm": args("eager"), "greedy": batched}),
         "graphs_full": ("bf16", {**base, "llm": args("full"),
-                                 "greedy": {**greedy, "copies4": fixture_names}}),
+                                 "greedy": {**batched, "copies4": fixture_names}}),
         "graphs_piecewise": ("bf16", {**base, "llm": args("piecewise")}),
         "kv_fp8": ("bf16", {**base, "llm": args("default", "fp8")}),
         "kv_fp8_ds_mla": ("bf16", {**base, "llm": args("default", "fp8_ds_mla")}),
         # the same graph mode as graphs_full, whose four-copy batches are its shape-matched plain runs
         "mtp3": ("bf16", {"prompts": prompts, "llm": args("full", speculative_config=MTP),
                           "mtp": {"tokens": GREEDY_TOKENS, "prompts": fixture_names, "sampled": "medium"}}),
-        "fp8_attention": ("fp8", {**base, "llm": args("default")}),
+        # the kernel an L40 runs (Marlin W8A16), judged; vLLM's own sm_90 choice (W8A8) reported beside
+        "fp8_attention": ("fp8", {**base, "llm": args("default"),
+                                  **({"env": SM89_FP8_LINEAR_ENV} if target.device == "cuda" else {})}),
+        "fp8_attention_w8a8": ("fp8", {"prompts": {n: prompts[n] for n in names if n == STDLIB},
+                                       "prompt_logprobs": [n for n in names if n == STDLIB], "llm": args("default")}),
         "exl3_eager": ("exl3", {**base, "llm": args("eager")}),
         "exl3_graphs": ("exl3", {**base, "llm": args("default")}),
     }

@@ -65,16 +65,32 @@ def _ready_document(proc: subprocess.Popen, deadline: float) -> dict | None:
     return found.get("doc")
 
 
-def _completion(base_url: str, model: str) -> dict:
-    body = {"model": model, "prompt": "def fibonacci(n):\n    ", "max_tokens": 8, "temperature": 0,
-            "logprobs": 1}
+def _completion(base_url: str, model: str, max_tokens: int = 8) -> dict:
+    body = {"model": model, "prompt": "def fibonacci(n):\n    ", "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1, "ignore_eos": True}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
     with urllib.request.urlopen(req, timeout=60) as r:
         choice = json.loads(r.read())["choices"][0]
     lps = choice["logprobs"]["token_logprobs"]
     return {"tokens": len(choice["logprobs"]["tokens"]), "logprobs_ok": all(x <= 0 for x in lps),
-            "text": choice["text"]}
+            "text": choice["text"], "seconds": time.perf_counter() - started}
+
+
+# The bench cell: 2 sessions of 1k context, decoding long enough for a steady window of
+# BENCH_WINDOW_S (glmctl bench needs two /metrics samples with nothing else happening; at
+# BENCH_POLL_S that is ~15), sized from this server's own decode speed.
+BENCH_WINDOW_S, BENCH_POLL_S, BENCH_CONTEXT = 3.0, 0.2, 1024
+
+
+def bench_output_tokens(seconds_short: float, seconds_long: float, extra_tokens: int, max_model_len: int) -> int:
+    """Output tokens per session for a steady window of BENCH_WINDOW_S: the decode rate from two
+    completions that differ by `extra_tokens` (prefill and overheads cancel), doubled for the two
+    sessions' batch being slower than one, kept within the model length."""
+    per_token = max((seconds_long - seconds_short) / extra_tokens, 1e-4)
+    tokens = int(2 * BENCH_WINDOW_S / per_token) + 64
+    return max(64, min(tokens, max_model_len - BENCH_CONTEXT - 64))
 
 
 def plan_args(prof, ckpt: str, gpus: list) -> list[str]:
@@ -123,8 +139,13 @@ def _after_ready(report: dict, request: dict, doc: dict, ckpt: str) -> None:
 
     base = doc["endpoint"].removesuffix("/v1")
     report["completion"] = _completion(base, doc["model"])
-    report["bench"] = _run(glmctl("bench", "--url", base, "--sessions", "2", "--context", "1k",
-                                  "--output-tokens", "64", "--poll-interval", "0.2", "--json"), 180)
+    longer = _completion(base, doc["model"], 8 + 128)
+    max_len = profiles.load(request["profile"]).max_model_len
+    tokens = bench_output_tokens(report["completion"]["seconds"], longer["seconds"], 128, max_len)
+    report["bench_output_tokens"] = tokens
+    report["bench"] = _run(glmctl("bench", "--url", base, "--sessions", "2", "--context", str(BENCH_CONTEXT),
+                                  "--output-tokens", str(tokens), "--poll-interval", str(BENCH_POLL_S),
+                                  "--json"), 180)
     report["perplexity"] = _run(glmctl("eval", "perplexity", "--url", base, "--window", "512",
                                        "--max-tokens", "2048", "--json"), 180)
     report["plan"] = _run(glmctl(*plan_args(profiles.load(request["profile"]), ckpt, inventory())), 60)

@@ -200,6 +200,8 @@ def run_engine(spec: dict, request: dict, drafts: Drafts, log: KvLog, reference:
     placement = facts.get("placement") or (log.placements[-1] if len(log.placements) > logged[1] else None)
     part: dict = {"kv_tokens": kv_tokens, "placement": placement if spec.get("dflash2") else None,
                   "facts": facts, "seconds": {"start": round(time.monotonic() - started, 1)}, "proposals": {}}
+    tokenizer = llm.get_tokenizer()
+    part["ids"] = {name: list(tokenizer.encode(text)) for name, text in prompts.items()}  # as vLLM tokenises
     walks0 = drafts.selector_walks
     for run in spec.get("runs", []):
         t0 = time.monotonic()

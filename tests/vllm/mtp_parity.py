@@ -87,7 +87,8 @@ class Oracle:
         self.reference, self.position, self.steps = reference, None, 0
 
     def install(self) -> None:
-        import torch
+        """Steer both model runners' drafters: V1's proposer (vLLM CPU, and CUDA with
+        VLLM_USE_V2_MODEL_RUNNER=0) and the V2 runner's MTP speculators (CUDA's default)."""
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
         stock = SpecDecodeBaseProposer.propose
@@ -95,25 +96,75 @@ class Oracle:
 
         def propose(proposer, *args, **kwargs):
             drafts = stock(proposer, *args, **kwargs)
-            if oracle.reference is None:
-                return drafts
-            width = drafts.shape[1]
             rejected = kwargs.get("num_rejected_tokens_gpu")
-            if oracle.position is None:  # right after prefill: the next token is the first output
-                oracle.position = 0
-            else:
-                oracle.position += width - int(rejected[0]) + 1
-            nxt = oracle.position + 1
-            want = [oracle.reference[p] if p < len(oracle.reference) else 0
-                    for p in range(nxt, nxt + width)]
-            bad = CORRUPT[oracle.steps % len(CORRUPT)]
-            if bad is not None:
-                want[bad] = (want[bad] + 1) % 2048
-            oracle.steps += 1
-            drafts[0] = torch.tensor(want, dtype=drafts.dtype, device=drafts.device)
-            return drafts
+            # V1 reports rejected drafts; a verify step emits the accepted ones plus one
+            emitted = None if rejected is None else drafts.shape[1] - int(rejected[0]) + 1
+            return oracle.steer(drafts, emitted)
 
         SpecDecodeBaseProposer.propose = propose
+        for cls in v2_speculators(("mtp", "multi_module_mtp")):
+            _steer_v2(cls, oracle)
+
+    def steer(self, drafts, emitted: int | None):
+        """Replace request 0's drafts; `emitted`: the tokens the last verify step produced
+        (None right after prefill)."""
+        import torch
+
+        if self.reference is None:
+            return drafts
+        width = drafts.shape[1]
+        if self.position is None:  # right after prefill: the next token is the first output
+            self.position = 0
+        else:
+            self.position += emitted
+        nxt = self.position + 1
+        want = [self.reference[p] if p < len(self.reference) else 0 for p in range(nxt, nxt + width)]
+        bad = CORRUPT[self.steps % len(CORRUPT)]
+        if bad is not None:
+            want[bad] = (want[bad] + 1) % 2048
+        self.steps += 1
+        drafts[0] = torch.tensor(want, dtype=drafts.dtype, device=drafts.device)
+        return drafts
+
+
+def v2_speculators(kinds) -> list[type]:
+    """The V2 model runner's speculator classes of these kinds (module names under
+    vllm.v1.worker.gpu.spec_decode) that this vLLM has; none where it has no V2 runner."""
+    import importlib
+    import inspect
+
+    found: list[type] = []
+    for kind in kinds:
+        try:
+            module = importlib.import_module(f"vllm.v1.worker.gpu.spec_decode.{kind}.speculator")
+        except ImportError:
+            continue
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__ or not hasattr(cls, "propose"):
+                continue
+            owner = next(c for c in cls.__mro__ if "propose" in c.__dict__)  # where it is defined
+            if owner not in found:
+                found.append(owner)
+    return found
+
+
+def _steer_v2(cls, oracle) -> None:
+    """V2's `propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+    aux_hidden_states, num_sampled, num_rejected, ...)` returns [num_reqs, drafts]; after a
+    verify step `num_sampled[r]` is the tokens request r emitted (accepted + 1)."""
+    stock = cls.propose
+    if getattr(stock, "_oracle", False):
+        return
+
+    def propose(speculator, *args, **kwargs):
+        drafts = stock(speculator, *args, **kwargs)
+        if kwargs.get("dummy_run") or oracle.reference is None:
+            return drafts
+        sampled = kwargs["num_sampled"] if "num_sampled" in kwargs else args[5]
+        return oracle.steer(drafts, int(sampled[0]))
+
+    propose._oracle = True
+    cls.propose = propose
 
 
 def _engine(path, **kwargs):

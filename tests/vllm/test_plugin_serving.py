@@ -12,6 +12,8 @@ import re
 
 import pytest
 
+from tests.vllm.noise_floor import ROUTING_TIE
+
 pytestmark = pytest.mark.vllm
 
 LONG_CODE = "class Foo:\n    def __init__(self):\n        self.x = 1\n" * 12
@@ -91,13 +93,13 @@ def reference(tiny_checkpoint):
     import torch
     from transformers import AutoTokenizer
 
-    from tests.hf_reference import load_transformers_model
+    from tests.hf_reference import forward_with_routing_gaps, load_transformers_model
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint.path)
     ids = {name: tok(text)["input_ids"] for name, text in PARITY_PROMPTS.items()}
     out = {"ids": ids, "float32": {}, "bfloat16": {}, "routing_gap": {}}
     for dtype in ("float32", "bfloat16"):
-        run = _forward_with_routing_gaps(load_transformers_model(tiny_checkpoint.path, dtype=dtype).model)
+        run = forward_with_routing_gaps(load_transformers_model(tiny_checkpoint.path, dtype=dtype).model)
         for name, seq in ids.items():
             lp, gap = run(seq)
             if dtype == "float32":
@@ -105,49 +107,6 @@ def reference(tiny_checkpoint):
                 out["fp32_forward"] = run  # the greedy test scores the served paths with it
             out[dtype][name] = lp[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
     return out
-
-
-# Two experts whose fp32 routing scores lie closer than this may swap under bf16 hidden states
-# (measured on the tiny model: ~0.6% relative hidden-state error moves sigmoid scores by up to
-# ~0.0025 each way), and one swapped expert moves that token's logprobs by up to ~1 nat. On this
-# random model about a third of positions have such a near-tie in some MoE layer; which of them
-# swap depends on bf16 rounding details (vLLM's AVX2 and AVX-512 builds differ), so those
-# positions are judged only in the pooled figures.
-ROUTING_TIE = 0.006
-
-
-def _forward_with_routing_gaps(model):
-    """`run(ids) -> (log-probs per position, routing gap per position)` for a transformers model:
-    hooks on every MoE router record each layer's gaps, the smallest over layers is returned."""
-    import torch
-
-    gaps: list[torch.Tensor] = []
-    for module in model.modules():
-        if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
-            module.register_forward_hook(lambda mod, _inp, res: gaps.append(_routing_gap(mod, res[0])))
-
-    def run(ids: list[int]):
-        gaps.clear()
-        with torch.no_grad():
-            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
-        return lp, torch.stack(gaps).min(dim=0).values
-
-    return run
-
-
-def _routing_gap(router, logits):
-    """Per token: score of the k-th chosen expert minus the best expert left out (fp32)."""
-    import torch
-
-    scores = logits.float().sigmoid() + router.e_score_correction_bias.float()
-    groups = getattr(router, "num_group", 1) or 1
-    if groups > 1:
-        per_group = scores.view(scores.shape[0], groups, -1)
-        kept = per_group.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
-        mask = torch.zeros(scores.shape[0], groups, dtype=torch.bool).scatter_(1, kept, True)
-        scores = scores.masked_fill(~mask.repeat_interleave(per_group.shape[-1], dim=1), float("-inf"))
-    top = scores.topk(router.top_k + 1, dim=-1).values
-    return top[:, router.top_k - 1] - top[:, router.top_k]
 
 
 def test_prompt_logprobs_match_transformers_within_its_own_bf16_spread(server, reference):
