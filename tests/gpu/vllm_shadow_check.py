@@ -246,7 +246,7 @@ def main(checkpoint: str, out_path: str, prompts: dict) -> dict:
 
     on_cuda = torch.cuda.is_available()
     llm = LLM(model=checkpoint, **(gpu_engine_args if on_cuda else cpu_engine_args)("eager"))
-    runner = "V2" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "1") != "0" else "V1"
+    runner = "V2" if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "V1"
     served = {id(o): (o.kernels, o.topk_workspace) for o in INSTANCES["indexer"]}
     served.update({id(o): (o.kernels, o.decode) for o in INSTANCES["mla"]})
     for ix in INSTANCES["indexer"]:
