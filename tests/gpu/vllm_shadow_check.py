@@ -293,10 +293,11 @@ def _reference(checkpoint: str, ids: list[int], device: str, out_path: Path):
     """transformers fp32 log p of each token and the routing gap per position, in its own process
     (vLLM, once imported, changes transformers' config classes): tests/gpu/vllm_lane_reference.py."""
     import subprocess
+    import tempfile
 
     import numpy as np
 
-    request = out_path.with_suffix(".reference-request.json")
+    request = Path(tempfile.mkdtemp()) / "reference.json"  # not beside OUT: the GPU call returns 8 files
     request.write_text(json.dumps({"device": device, "checkpoints": [
         {"label": "bf16", "path": checkpoint, "dtypes": ["float32"], "prompts": {"text": ids}}]}))
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_lane_reference.py")), str(request)],
