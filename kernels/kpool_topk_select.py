@@ -11,7 +11,11 @@ import triton.language as tl
 
 @triton.jit
 def _order_key(x):
-    """fp32 -> int64 in [0, 2^32) with the same order (negative floats below positive ones)."""
+    """fp32 -> int64 in [0, 2^32) with the same order (negative floats below positive ones).
+    -0.0 and +0.0 get one key: they are equal, so pools scored by either tie and the lower pool
+    wins, as in the reference (a ReLU'd indexer logit is -0.0 or +0.0 by summation order, which
+    changes with the batch, the GPU and the kernel: telling them apart picked other pools)."""
+    x = tl.where(x == 0.0, 0.0, x)
     bits = x.to(tl.int32, bitcast=True)
     low = bits.to(tl.int64) & 0xFFFFFFFF
     return tl.where(bits < 0, 0xFFFFFFFF - low, low + 0x80000000)
