@@ -39,6 +39,47 @@ def test_a_decisive_reference_or_an_earlier_logprob_gap_makes_it_a_defect():
     assert same.kind == "same" and same.step is None
 
 
+def test_a_routing_near_tie_excuses_a_token_the_reference_does_not_rank_but_a_decisive_routing_does_not():
+    """The batch-invariance parting seen on the H200: the batched run took a token outside the
+    reference's top-2 at a position whose fp32 MoE routing gap was 0.0027."""
+    a = [_step(5, -0.5, 6, -2.0), _step(912, -2.67, 772, -2.79)]
+    b = [_step(5, -0.5, 6, -2.0), _step(128, -2.68, 912, -2.90)]
+    top2 = ((912, -2.66), (772, -2.76))
+    tie = nf.classify_divergence("p", a, b, floor=1.16, reference_top2=top2, routing_gap=0.0027)
+    assert tie.kind == "near-tie" and "routing near-tie" in tie.reason
+    decisive = nf.classify_divergence("p", a, b, floor=1.16, reference_top2=top2, routing_gap=0.05)
+    assert decisive.kind == "defect" and "routing there is decisive" in decisive.reason
+    assert nf.classify_divergence("p", a, b, floor=1.16, reference_top2=top2).kind == "defect"
+    # a routing near-tie does not excuse runs whose log p already differed beyond the floor
+    far = [_step(5, -0.5, 6, -2.0), _step(912, -2.67, 772, -2.79)]
+    far_b = [_step(5, -2.0, 6, -2.1), _step(128, -2.68, 912, -2.90)]
+    assert nf.classify_divergence("p", far, far_b, floor=1.16, reference_top2=top2, routing_gap=0.001).kind == "defect"
+
+
+def test_greedy_parity_may_part_at_a_decisive_margin_only_where_routing_is_a_near_tie():
+    reference = {"x": [(1, 2.0, 0.05), (2, 2.0, 0.001), (3, 2.0, 0.05)]}
+    assert nf.greedy_parity({"x": [1, 9, 9]}, reference, floor=0.5).passed is False  # too few followed
+    assert not [f for f in nf.greedy_parity({"x": [1, 9, 9]}, reference, floor=0.5).failures
+                if "decisive" in f and "too few" not in f]
+    bad = nf.greedy_parity({"x": [1, 2, 9]}, {"x": [(1, 2.0, 0.05), (2, 2.0, 0.05), (3, 2.0, 0.05)]}, floor=0.5)
+    assert any("step 2" in f for f in bad.failures)
+
+
+def test_logprob_parity_judges_each_prompt_at_decisively_routed_positions_and_pools_all():
+    fp32 = {"p": np.linspace(-3, -1, 40)}
+    bf16 = {"p": fp32["p"] + 0.01}
+    served = {"p": fp32["p"].copy()}
+    served["p"][7] += 1.5  # one swapped expert at a routing near-tie
+    gaps = {"p": np.full(40, 0.05)}
+    gaps["p"][7] = 0.001
+    assert not nf.logprob_parity(served, fp32, fp32, bf16).passed
+    judged = nf.logprob_parity(served, fp32, fp32, bf16, routing_gaps=gaps)
+    assert not [f for f in judged.failures if f.startswith("p:")], judged.failures
+    assert judged.tokens == 40 and judged.mean > 0.03  # the pooled figure still counts position 7
+    few = {"p": np.full(40, 0.001)}
+    assert any("route decisively" in f for f in nf.logprob_parity(served, fp32, fp32, bf16, routing_gaps=few).failures)
+
+
 def test_greedy_parity_allows_parting_only_where_not_decisive():
     reference = {"x": [(1, 2.0), (2, 2.0), (0, 2.0), (3, 0.1), (4, 2.0)]}
     assert nf.greedy_parity({"x": [1, 2, 0, 9, 9]}, reference, floor=0.5).passed
