@@ -92,7 +92,8 @@ def _out_allocating(kernel):
 
 def _use_triton_indexer(table: SimpleNamespace) -> None:
     """CUDA: glmctl's Triton logits and top-k; vLLM's own Triton kpool cache writes (they need
-    nothing newer than sm_80 and keep the cache bit-identical to vLLM's GPU path)."""
+    nothing newer than sm_80 and keep the cache bit-identical to vLLM's GPU path), but for the
+    tail seed (see `_vllm_kpool_writes`)."""
     import torch
 
     from glmctl.kernels.indexer_logits_paged import indexer_logits_paged
@@ -123,6 +124,7 @@ def _vllm_kpool_writes():
     import torch
     from vllm.models.glm5next.nvidia.ops import kpool_compress as ops
 
+    from glmctl.kernels import kpool_cache_write as kw
     from glmctl.kernels.kpool_decode_write import kpool_decode_update
 
     def prefill_write(kv_cache, k, gate, ape, slot_mapping, kpool):
@@ -138,10 +140,18 @@ def _vllm_kpool_writes():
         )
 
     def tail_seed(tail_cache, k, gate, tail_slots, kpool):
-        # vLLM's seed kernel addresses the ring by its `kpool` argument; with MTP the ring is
-        # longer than a pool (layouts.kpool_tail_ring) and seeding its whole length is harmless.
-        ops.kpool_seed_tail_cache(tail_cache, k.contiguous(), gate.contiguous(), tail_slots,
-                                  tail_cache.shape[2], k.shape[-1])
+        # vLLM's seed kernel addresses block b at b * 2 * ring * 128 elements: a dense tail
+        # cache. vLLM's hybrid allocator pads every page of a model to its largest (the pooled
+        # indexer page, 8,448 B, against the tail's 8,192 B), so the tail is a strided view of
+        # the shared KV memory and that kernel writes other blocks' memory (on the H200 it
+        # corrupted pooled keys of the request being prefilled: wrong pools selected from
+        # ~128 tokens on). The reference honours the strides; it runs once per prefill, outside
+        # any CUDA graph (the indexer op runs eagerly under capture).
+        if tail_cache.stride(0) == 2 * tail_cache.shape[2] * k.shape[-1]:
+            ops.kpool_seed_tail_cache(tail_cache, k.contiguous(), gate.contiguous(), tail_slots,
+                                      tail_cache.shape[2], k.shape[-1])
+        else:
+            kw.kpool_tail_seed_ref(tail_cache, k, gate, tail_slots, kpool)
 
     def decode_update(kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions,
                       kpool):
