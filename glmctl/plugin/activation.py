@@ -121,7 +121,8 @@ def activate(decision: PlatformDecision, because: str) -> None:
     if _active_target is not None:
         return
     assert decision.target is not None
-    from glmctl.plugin import adapters, kernel_table
+    from glmctl.plugin import adapters
+    from glmctl.plugin.attention import kernel_table
 
     _installed.extend(adapters.install(decision.target))
     _active_target = decision.target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from glmctl.plugin.policy import Target
 
-SPARSE_BACKEND_PATH = "glmctl.plugin.sparse_mla.GlmctlSparseMLABackend"
+SPARSE_BACKEND_PATH = "glmctl.plugin.attention.sparse_mla.GlmctlSparseMLABackend"
 
 
 def install(target: Target) -> list[str]:
@@ -56,7 +56,7 @@ def _register_indexer() -> str:
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.sparse_attn_indexer_kpool import SparseAttnIndexerKpool
 
-    from glmctl.plugin.indexer import GlmctlKpoolIndexer
+    from glmctl.plugin.attention.indexer import GlmctlKpoolIndexer
 
     if SparseAttnIndexerKpool.__name__ not in op_registry_oot:
         SparseAttnIndexerKpool.register_oot(GlmctlKpoolIndexer)

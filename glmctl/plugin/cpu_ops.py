@@ -143,7 +143,7 @@ def _pad_indexer_heads(x, pad):
 def _install_indexer_helpers() -> None:
     from vllm.models.glm5next.nvidia import attention
 
-    from glmctl.plugin.kernel_table import indexer_kernels
+    from glmctl.plugin.attention.kernel_table import indexer_kernels
 
     attention.fwht128_quant_fp8 = indexer_kernels().q_quant
     attention._fused_indexer_k_norm = _indexer_k_norm

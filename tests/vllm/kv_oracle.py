@@ -275,7 +275,7 @@ def _mla_cache_dtypes(backend: str | None, cache_dtype: str) -> tuple[str, str]:
 
     ours = cache_dtype
     if backend == "glmctl":
-        from glmctl.plugin.sparse_mla import GlmctlSparseMLABackend
+        from glmctl.plugin.attention.sparse_mla import GlmctlSparseMLABackend
 
         ours = canonical(GlmctlSparseMLABackend, cache_dtype)
     return ours, canonical(FlashMlaSparseName, cache_dtype)
