@@ -238,7 +238,7 @@ def _install_plugin_block_rule(platform_cls) -> None:
     import vllm.platforms as platforms
 
     from glmctl.plugin.adapters import _install_kpool_block_alignment
-    from glmctl.plugin.mtp import _install_tail_ring
+    from glmctl.plugin.spec_decode.mtp import _install_tail_ring
 
     saved = platforms._current_platform
     platforms._current_platform = platform_cls()
