@@ -12,7 +12,8 @@ def install(target: Target) -> list[str]:
     # import each other; this is the order vLLM itself uses).
     import vllm.models.glm5next  # noqa: F401
 
-    from glmctl.plugin import mhc, model_hooks
+    from glmctl.plugin import model_hooks
+    from glmctl.plugin.mhc import mhc
     from glmctl.plugin.spec_decode import dflash2, mtp
 
     installed = [_install_backend_selection(), _register_indexer(), model_hooks.install(),

@@ -7,7 +7,7 @@ changes, so its data flow, caches and metadata stay vLLM's own.
 
   KDA          chunked prefill, recurrent decode and MTP verify, state gather/scatter, the conv
                decode update (vLLM's C++ one needs a bf16-prepacked weight; we keep fp32)
-  (mHC: see `glmctl.plugin.mhc`, installed on every target)
+  (mHC: see `glmctl.plugin.mhc.mhc`, installed on every target)
   q/kv norm    the fused Triton q_a/kv_a RMSNorm
   indexer      Hadamard+FP8 query quantisation and three `torch.compile` helpers (eager)
   MTP          the fused Triton embed/hidden norm of the draft layer; draft step and
