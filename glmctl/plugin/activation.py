@@ -50,7 +50,7 @@ def register_once(env: Mapping[str, str] | None = None) -> None:
     facts = current_platform_facts()
     decision = decide_platform(mode, facts)
     if decision.act and facts.kind == "cpu":
-        from glmctl.plugin.env_fixes import serve_pil_image_processors
+        from glmctl.plugin.platforms.cpu.env_fixes import serve_pil_image_processors
 
         serve_pil_image_processors()
     if not decision.act:

@@ -20,11 +20,11 @@ def install(target: Target) -> list[str]:
                  mtp.install(), mhc.install(target), _install_kpool_block_alignment(),
                  *dflash2.install(target)]
     if target is Target.TORCH:
-        from glmctl.plugin import cpu_ops
+        from glmctl.plugin.platforms.cpu import cpu_ops
 
         installed += cpu_ops.install()
     else:
-        from glmctl.plugin import cuda_ops
+        from glmctl.plugin.platforms import cuda_ops
 
         installed += cuda_ops.install()
     return installed

@@ -171,7 +171,7 @@ def test_selector_walk_follows_the_best_successor_of_each_choice():
 
 def test_dflash_inputs_match_the_kernels_semantics():
     torch = pytest.importorskip("torch")
-    from glmctl.plugin.dflash2_cpu import copy_and_expand_dflash_inputs
+    from glmctl.plugin.platforms.cpu.dflash2_cpu import copy_and_expand_dflash_inputs
 
     block, q = 4, 3  # 1 + 2 drafts
     # two requests: 5 context tokens at positions 10..14 (the last one rejected), 2 at 3..4

@@ -55,7 +55,7 @@ def install(target: Target) -> list[str]:
 
     installed = [dflash2_kv.install(), _install_aux_hidden_states(), _install_v1_selector_walk()]
     if target is Target.TORCH:
-        from glmctl.plugin.dflash2_cpu import install as install_cpu
+        from glmctl.plugin.platforms.cpu.dflash2_cpu import install as install_cpu
 
         installed.append(install_cpu())
     return installed

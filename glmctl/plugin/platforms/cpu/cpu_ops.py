@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from glmctl.kernels.kda import chunk_kda_varlen, fused_recurrent_kda_varlen
 from glmctl.kernels.kda_conv import causal_conv1d_update_ref
-from glmctl.plugin.cpu_mtp import WithoutWarmup
 from glmctl.plugin.patching import after_init
+from glmctl.plugin.platforms.cpu.cpu_mtp import WithoutWarmup
 
 
 def install() -> list[str]:
-    from glmctl.plugin import cpu_metadata, cpu_mtp
+    from glmctl.plugin.platforms.cpu import cpu_metadata, cpu_mtp
 
     _install_kda()
     _install_mla_q_kv_norm()
