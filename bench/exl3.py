@@ -253,7 +253,7 @@ def agreement(torch, paths, names: list[str], device) -> dict:
     """Relative difference of every EXL3 path from exl3_coop, and of coop (and the Triton path,
     where it was selected) from the dequantised torch reference (exllamav3's reconstruct of the
     touched experts). Only selected paths run: a path that faults takes the process with it."""
-    from glmctl.plugin.exl3_experts import dequantize, moe_reference
+    from glmctl.plugin.quantization.exl3_experts import dequantize, moe_reference
 
     layer = paths.exl3
     out: dict = {}

@@ -2,7 +2,7 @@
 
   exl3_coop            exllamav3's exl3_moe_coop behind the torch conversions (Exl3MoE "coop")
   exl3_coop_lean       the same kernel, inputs prepared in one launch ("coop_lean")
-  exl3_auto            what the plugin runs by default (glmctl.plugin.exl3_decode.pick_decode_path)
+  exl3_auto            what the plugin runs by default (glmctl.plugin.quantization.exl3_decode.pick_decode_path)
   exl3_fused           exllamav3's exl3_moe at every size ("fused")
   exl3_triton          glmctl.kernels.exl3_moe_decode, the config picked by tokens
   exl3_triton.<cfg>    the same with one DECODE_CONFIGS entry at every size
@@ -78,7 +78,7 @@ class TorchExperts:
 
 
 def exl3_layer(torch, device):
-    from glmctl.plugin.exl3_experts import Exl3MoE, Exl3Projection
+    from glmctl.plugin.quantization.exl3_experts import Exl3MoE, Exl3Projection
 
     g = torch.Generator(device=device).manual_seed(0)
 

@@ -28,7 +28,7 @@ time limit is stopped and says so.
 
 Runs where vLLM (CUDA) is importable; writes the JSON after every cell, so a run stopped by its
 deadline keeps what it measured. SIGTERM/SIGINT end the server's whole process group first.
-Nothing here is a prediction: glmctl.plan.node_prediction turns the steps into 8x L40 figures.
+Nothing here is a prediction: glmctl.plan.prediction.node_prediction turns the steps into 8x L40 figures.
 """
 
 from __future__ import annotations

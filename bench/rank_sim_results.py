@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from glmctl.plan import gpu_node, load_model_spec, plan_capacity  # noqa: E402
-from glmctl.plan.node_prediction import load_measured_run, predict_node  # noqa: E402
-from glmctl.plan.node_records import H200_MEASURED_HERE  # noqa: E402
+from glmctl.plan.prediction.node_prediction import load_measured_run, predict_node  # noqa: E402
+from glmctl.plan.prediction.node_records import H200_MEASURED_HERE  # noqa: E402
+from glmctl.plan.prediction.rank import rank_model_spec, rank_weights  # noqa: E402
 from glmctl.plan.presets import GLM53_FLASH  # noqa: E402
-from glmctl.plan.rank import rank_model_spec, rank_weights  # noqa: E402
 from glmctl.plan.serving_setup import ServingSetup, Speculative, WeightFormats  # noqa: E402
 
 GIB = 1 << 30

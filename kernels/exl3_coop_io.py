@@ -2,7 +2,7 @@
 
 Per token row t (grid T): x[t] (bf16) -> fp16, values outside +-65280 (and NaN) clamped and
 counted into an int64 device counter; topk_ids[t] (int32 or int64) -> int64; topk_weights[t]
--> fp16. `coop_inputs_ref` is the torch sequence it replaces (glmctl.plugin.exl3_experts'
+-> fp16. `coop_inputs_ref` is the torch sequence it replaces (glmctl.plugin.quantization.exl3_experts'
 to_fp16_checked plus two dtype conversions).
 """
 

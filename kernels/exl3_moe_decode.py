@@ -329,7 +329,7 @@ def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float, clamped: torch.Tensor,
                     ws: DecodeWorkspace, config: DecodeConfig | None = None) -> torch.Tensor:
     """Routed-expert output [T, H] in x's dtype. gate/up/down: (trellis, suh, svh) per projection
-    (glmctl.plugin.exl3_experts.Exl3Projection works); `clamped` (int64, 0-d) counts the inputs
+    (glmctl.plugin.quantization.exl3_experts.Exl3Projection works); `clamped` (int64, 0-d) counts the inputs
     beyond fp16's range."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]

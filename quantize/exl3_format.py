@@ -1,6 +1,6 @@
 """The EXL3-experts checkpoint format (`glmctl-exl3/1`): GLM-5.3-Flash with 4-bit routed experts.
 
-Written by `glmctl quantize exl3`, read by the plugin's EXL3 MoE method (glmctl.plugin.exl3_method)
+Written by `glmctl quantize exl3`, read by the plugin's EXL3 MoE method (glmctl.plugin.quantization.exl3_method)
 and by `glmctl serve` profiles with `weights: exl3`. Only the routed experts of the selected MoE
 layers change; every other tensor is copied byte for byte (bf16, or block FP8 with its
 `weight_scale_inv`).

@@ -5,7 +5,7 @@ checkpoints read (torch-free).
 `PROJECTIONS` is read from vLLM 0.30 `vllm/models/glm5next/nvidia/{model,kda,attention,mtp}.py` and
 `layers/quantization/fp8.py` (the installed wheel; re-read when vLLM is upgraded). Per module it
 says which GEMM stock vLLM builds it into (`gemm`), which GEMM glmctl's plugin builds it into
-(`plugin_gemm`, `glmctl.plugin.fp8_attention`), and what a block-FP8 weight becomes with each
+(`plugin_gemm`, `glmctl.plugin.quantization.fp8_attention`), and what a block-FP8 weight becomes with each
 (`stock`, `plugin`). The mixers and heads outside the table (`mlp.gate` router, `eh_proj`,
 embeddings, heads) are built without the fp8 method and never load in FP8.
 

@@ -4,7 +4,7 @@
 # Stages run under their own time limits and the script carries on after a failure, so one call
 # always brings back every log; the short tables come last. Plain mode (COLL_MPS=0) stays under
 # ~200 s: smoke (COLL_SMOKE=0 skips it), the gpu tests (collectives + the vLLM call path of
-# glmctl.plugin.tp_communicator), the benchmark.
+# glmctl.plugin.distributed.tp_communicator), the benchmark.
 set -u
 OUT=${OUT:-out/gpu-collectives}
 mkdir -p "$OUT"

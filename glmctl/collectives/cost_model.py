@@ -33,7 +33,7 @@ from glmctl.collectives.call_plan import PathOptions, message_pieces, plan_call,
 
 MiB = 1 << 20
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 2}  # int8: bf16 messages, INT8 payloads
-DEFAULT_MAX_BYTES = 32 * MiB  # the plugin's largest call (plugin.tp_communicator.MAX_BYTES_CAP)
+DEFAULT_MAX_BYTES = 32 * MiB  # the plugin's largest call (plugin.distributed.tp_communicator.MAX_BYTES_CAP)
 
 # GLM-5.3-Flash shapes that set the collectives' traffic (transformers 5.24 glm5_next defaults)
 GLM53_HIDDEN = 4096

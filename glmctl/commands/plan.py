@@ -120,7 +120,7 @@ def plan(
         out.result(result, render=lambda console: plan_tables.render_report(result, console))
         return
     if predict is not None:
-        from glmctl.plan.node_prediction import load_measured_run, predict_node
+        from glmctl.plan.prediction.node_prediction import load_measured_run, predict_node
 
         prediction = predict_node(load_measured_run(predict))
         out.result(prediction, render=lambda console: plan_tables.render_prediction(prediction, console))

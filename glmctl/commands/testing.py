@@ -129,7 +129,7 @@ def rank_config(
 
     out = Output.from_flags(json_, quiet)
     require_module("tokenizers", "cpu", "training the rank model's tokenizer")
-    from glmctl.plan.rank import rank_weights
+    from glmctl.plan.prediction.rank import rank_weights
     from glmctl.testing.rank_config import build_rank_config
 
     info = build_rank_config(directory, tp=tp, experts=experts, exl3_bits=exl3_bits, num_layers=num_layers,

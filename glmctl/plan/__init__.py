@@ -11,9 +11,9 @@
 
 Modules: `model` (ModelSpec), `node` (NodeSpec, GPU table), `serving_setup` (ServingSetup), `kv_cache`
 (vLLM's exact block/page/capacity rules), `weights`, `reserve`, `capacity` (plan_capacity),
-`field_report` (the field report's five KV pools), `rank` (one TP rank as a TP1 model and its weights),
-`node_prediction` / `node_prefill` / `rank_sim_records` (`glmctl plan --predict`: a rank step
-measured on another GPU -> predicted 8x L40 cells), `plan_tables` (Rich tables for the CLI).
+`field_report` (the field report's five KV pools), `plan_tables` (Rich tables for the CLI), and the
+package `prediction` (`glmctl plan --predict`: one TP rank as a TP1 model, its step measured on
+another GPU -> predicted 8x L40 cells).
 """
 
 from glmctl.plan.capacity import CapacityPlan, plan_capacity, sessions_that_fit

@@ -149,7 +149,7 @@ def plan_capacity(model: ModelSpec, node: NodeSpec, setup: ServingSetup) -> Capa
         memory.append(MemoryLine(section="drafter", key="drafter", label="DFlash2 drafter",
                                  bytes=dflash_drafter_bytes(spec.drafter, tp), basis="bf16"))
         draft = drafter_kv(layout, spec.drafter, tp, max_model_len)
-        notes.append(f"DFlash2 drafter K/V {draft.placement}ed: {draft.reason} (glmctl.plugin.dflash2_layout)")
+        notes.append(f"DFlash2 drafter K/V {draft.placement}ed: {draft.reason} (glmctl.plugin.spec_decode.dflash2_layout)")
     if cuda:
         for r in reserves(model, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=batched, num_spec=num_spec, mtp_layers=mtp_layers,

@@ -3,7 +3,7 @@
 The drafter's attention layers store K and V of every context token (DFlash projects them from
 the target's hidden states), `block_size x 2 x KV heads / tp x head_dim` values per layer and
 block, in the KV cache dtype (bf16, or one byte for fp8). Where those pages go is
-`glmctl.plugin.dflash2_layout.choose` (the plugin calls the same function inside vLLM):
+`glmctl.plugin.spec_decode.dflash2_layout.choose` (the plugin calls the same function inside vLLM):
 aliased over the target's MLA pages in a group of their own, or appended to every block. Both
 change the capacity vLLM logs; `capacity_with_drafter` is `kv_cache.kv_capacity` with them.
 """
@@ -15,7 +15,12 @@ from pydantic import BaseModel
 from glmctl.kernels.layouts import kv_format
 from glmctl.plan.kv_cache import KvCacheLayout, KvCapacity, cdiv
 from glmctl.plan.serving_setup import DrafterSpec
-from glmctl.plugin.dflash2_layout import DraftPlacement, PoolShape, choose, requested_placement
+from glmctl.plugin.spec_decode.dflash2_layout import (
+    DraftPlacement,
+    PoolShape,
+    choose,
+    requested_placement,
+)
 
 
 class DrafterKv(BaseModel):

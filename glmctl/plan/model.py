@@ -156,7 +156,7 @@ _FP8_ATTENTION_MARKERS = {"kda": "self_attn.q_proj.weight_scale_inv",
 
 def _fp8_attention(spec: ModelSpec, checkpoint: Path, config: dict) -> list[str]:
     """Which attention families glmctl's plugin builds in block FP8 for this checkpoint, by the
-    plugin's own rule (`glmctl.plugin.fp8_selection.select`): the families whose projections hold
+    plugin's own rule (`glmctl.plugin.quantization.fp8_selection.select`): the families whose projections hold
     block-FP8 scales, from the checkpoint's tensor names (its index, else its shard headers). When
     no names can be read (a directory holding only config.json, as `glmctl testing rank-config`
     writes for `--load-format dummy`), the plugin goes by the quantization config instead: a block-FP8
@@ -167,7 +167,7 @@ def _fp8_attention(spec: ModelSpec, checkpoint: Path, config: dict) -> list[str]
     if names is not None:
         return [family for family, marker in _FP8_ATTENTION_MARKERS.items()
                 if any(n.endswith(marker) for n in names)]
-    from glmctl.plugin.fp8_selection import site
+    from glmctl.plugin.quantization.fp8_selection import site
 
     block = _block_fp8_config(config)
     if block is None:
@@ -183,7 +183,7 @@ def _fp8_attention(spec: ModelSpec, checkpoint: Path, config: dict) -> list[str]
 def _block_fp8_config(config: dict):
     """The block-FP8 part of a checkpoint's quantization config, as vLLM's Fp8Config reads it (the
     config itself, or glmctl_exl3's `non_experts`); None when there is none."""
-    from glmctl.plugin.fp8_selection import block_fp8_of
+    from glmctl.plugin.quantization.fp8_selection import block_fp8_of
 
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
     if str(quant.get("quant_method", "")).lower() != "fp8":

@@ -123,7 +123,7 @@ def render_report(rep: ReportReproduction, console: Console) -> None:
 def render_prediction(pred, console: Console) -> None:
     """The node prediction in the report's scaling-table layout: sessions x context per method,
     each cell the predicted tok/s beside the report's, the ratio and what dominates the step."""
-    from glmctl.plan.node_records import CONTEXT_LABELS, REPORT_DECODE_CELLS
+    from glmctl.plan.prediction.node_records import CONTEXT_LABELS, REPORT_DECODE_CELLS
 
     console.print(f"[bold]8x {pred.target.name} decode, predicted[/bold] from {pred.source} "
                   f"({pred.stand_in.name} rank step; {pred.stand_in.source})")

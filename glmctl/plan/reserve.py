@@ -5,7 +5,7 @@ Three kinds, labelled in every plan:
   and its logits during the profiling run (`sparse_attn_indexer_kpool`'s profiling branch in
   `model_executor/layers/sparse_attn_indexer_kpool.py`, `get_max_prefill_buffer_size` in
   `v1/attention/backends/mla/indexer.py`); glmctl's plugin replaces that op
-  (`glmctl.plugin.indexer.GlmctlKpoolIndexer`), whose profiling run returns at once, so with the
+  (`glmctl.plugin.attention.indexer.GlmctlKpoolIndexer`), whose profiling run returns at once, so with the
   plugin neither is reserved (its prefill logits, one chunk at a time, are allocated at run time).
   The top-k index buffers (`Glm5NextModel` / the MTP layer in `vllm/models/glm5next/nvidia/`) are
   built with the model either way;

@@ -11,7 +11,7 @@ and output channel scales (`suh`, `svh`), as ExLlamaV3 stores a linear layer. No
 routers, convolution weights and biases are never quantized.
 
 `--kda fp8` / `--mla fp8` are what `glmctl quantize fp8`'s default selection holds in GPU memory
-with glmctl's plugin (`glmctl.plugin.fp8_selection`): KDA q,k,v and o_proj in FP8, its b, f_a,
+with glmctl's plugin (`glmctl.plugin.quantization.fp8_selection`): KDA q,k,v and o_proj in FP8, its b, f_a,
 g_a, f_b, g_b in bf16; MLA q_a/kv_a, q_b, o_proj and the indexer's wq_b in FP8, kv_b_proj and the
 indexer's wk + weights_proj in bf16. kv_b_proj stays bf16 whatever the checkpoint holds: vLLM's
 MLA attention keeps bf16 `W_UK_T`/`W_UV` derived from it, which alias a bf16 weight but would be a

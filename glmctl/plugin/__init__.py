@@ -11,9 +11,9 @@ def register() -> None:
     switches (`glmctl.switches`) are read once here and handed to each installer."""
     from glmctl import switches
     from glmctl.plugin.activation import register_once
-    from glmctl.plugin.exl3_config import register_exl3_quantization
-    from glmctl.plugin.fp8_attention import install_fp8_attention
-    from glmctl.plugin.tp_communicator import install_collectives
+    from glmctl.plugin.distributed.tp_communicator import install_collectives
+    from glmctl.plugin.quantization.exl3_config import register_exl3_quantization
+    from glmctl.plugin.quantization.fp8_attention import install_fp8_attention
 
     env = switches.snapshot()
     register_exl3_quantization(env)  # EXL3-experts checkpoints on any platform; GLMCTL_EXL3=off skips it

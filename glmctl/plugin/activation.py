@@ -50,7 +50,7 @@ def register_once(env: Mapping[str, str] | None = None) -> None:
     facts = current_platform_facts()
     decision = decide_platform(mode, facts)
     if decision.act and facts.kind == "cpu":
-        from glmctl.plugin.env_fixes import serve_pil_image_processors
+        from glmctl.plugin.platforms.cpu.env_fixes import serve_pil_image_processors
 
         serve_pil_image_processors()
     if not decision.act:
@@ -121,7 +121,8 @@ def activate(decision: PlatformDecision, because: str) -> None:
     if _active_target is not None:
         return
     assert decision.target is not None
-    from glmctl.plugin import adapters, kernel_table
+    from glmctl.plugin import adapters
+    from glmctl.plugin.attention import kernel_table
 
     _installed.extend(adapters.install(decision.target))
     _active_target = decision.target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from glmctl.plugin.policy import Target
 
-SPARSE_BACKEND_PATH = "glmctl.plugin.sparse_mla.GlmctlSparseMLABackend"
+SPARSE_BACKEND_PATH = "glmctl.plugin.attention.sparse_mla.GlmctlSparseMLABackend"
 
 
 def install(target: Target) -> list[str]:
@@ -12,17 +12,19 @@ def install(target: Target) -> list[str]:
     # import each other; this is the order vLLM itself uses).
     import vllm.models.glm5next  # noqa: F401
 
-    from glmctl.plugin import dflash2, mhc, model_hooks, mtp
+    from glmctl.plugin import model_hooks
+    from glmctl.plugin.mhc import mhc
+    from glmctl.plugin.spec_decode import dflash2, mtp
 
     installed = [_install_backend_selection(), _register_indexer(), model_hooks.install(),
                  mtp.install(), mhc.install(target), _install_kpool_block_alignment(),
                  *dflash2.install(target)]
     if target is Target.TORCH:
-        from glmctl.plugin import cpu_ops
+        from glmctl.plugin.platforms.cpu import cpu_ops
 
         installed += cpu_ops.install()
     else:
-        from glmctl.plugin import cuda_ops
+        from glmctl.plugin.platforms import cuda_ops
 
         installed += cuda_ops.install()
     return installed
@@ -56,7 +58,7 @@ def _register_indexer() -> str:
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.sparse_attn_indexer_kpool import SparseAttnIndexerKpool
 
-    from glmctl.plugin.indexer import GlmctlKpoolIndexer
+    from glmctl.plugin.attention.indexer import GlmctlKpoolIndexer
 
     if SparseAttnIndexerKpool.__name__ not in op_registry_oot:
         SparseAttnIndexerKpool.register_oot(GlmctlKpoolIndexer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from glmctl.kernels.layouts import kpool_block_size
-from glmctl.plugin import mhc
+from glmctl.plugin.mhc import mhc
 from glmctl.plugin.policy import Target, num_speculative_tokens
 
 logger = logging.getLogger("vllm.glmctl")

@@ -242,7 +242,7 @@ def run(
     report = PreflightReport(profile=launch.profile.name)
     report.warnings += launch.profile.advisories()
     if launch.profile.speculative.method == "dflash2":
-        from glmctl.plugin.dflash2_layout import serving_limits
+        from glmctl.plugin.spec_decode.dflash2_layout import serving_limits
 
         report.warnings += serving_limits(launch.profile.platform)
     _licences(launch, list(accept), confirm, report, record)

@@ -69,7 +69,7 @@ def exl3_quantization_config(rank: ModelSpec, bits: int) -> dict:
 
 def rank_hf_config(rank: ModelSpec, tokenizer_ids: dict, indexer_types: list[str],
                    experts: ExpertsVariant = "bf16", exl3_bits: int = 4) -> dict:
-    """config.json of the rank model (`glmctl.plan.rank.rank_model_spec`): the schema the tiny
+    """config.json of the rank model (`glmctl.plan.prediction.rank.rank_model_spec`): the schema the tiny
     checkpoint uses (what vLLM 0.30 and transformers 5.24 both load), with the rank's numbers."""
     from glmctl.testing.tiny_checkpoint import TinySpec, hf_config
 
@@ -130,8 +130,8 @@ def build_rank_config(path: str | os.PathLike, *, tp: int = 8, experts: ExpertsV
                       preset: str = "glm-5.3-flash", force: bool = False) -> RankConfigInfo:
     """Write the rank model's directory atomically (a temp dir beside `path`, renamed at the end)."""
     from glmctl.plan.model import load_model_spec
+    from glmctl.plan.prediction.rank import rank_model_spec, truncated_model_spec
     from glmctl.plan.presets import PRESETS
-    from glmctl.plan.rank import rank_model_spec, truncated_model_spec
     from glmctl.testing.tiny_checkpoint import _check_target, _write_json
     from glmctl.testing.tiny_tokenizer import train_tokenizer
 

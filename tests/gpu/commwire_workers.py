@@ -2,7 +2,7 @@
 calls its TP communicator (vLLM itself does not run on the GPU test machine).
 
 `CudaCommunicator`'s role is played by a bare object whose own all_reduce / all_gather raise, so a
-call that falls back to vLLM's path fails loudly; `glmctl.plugin.tp_communicator._route` installs the
+call that falls back to vLLM's path fails loudly; `glmctl.plugin.distributed.tp_communicator._route` installs the
 host-staged routes on it exactly as it does on vLLM's instance. Capture follows
 `GroupCoordinator.graph_capture` + `CUDAGraphWrapper`: a side stream, `ca_comm.capture()` around
 everything, one eager warm-up run per size, then `torch.cuda.graph(g, stream=current stream)`.
@@ -41,7 +41,7 @@ def vllm_path(rank: int, world: int, session: str, replays: int) -> dict:
 
     torch.cuda.set_device(0)
     from glmctl.collectives import HostStagedCommunicator
-    from glmctl.plugin.tp_communicator import (
+    from glmctl.plugin.distributed.tp_communicator import (
         HostStagedCustomAllreduce,
         ModelFacts,
         _route,

@@ -52,7 +52,7 @@ def _quantize(weights: dict, hidden: int, inter: int, experts: int, hessians):
 
 
 def _deq(q):
-    from glmctl.plugin.exl3_experts import dequantize
+    from glmctl.plugin.quantization.exl3_experts import dequantize
 
     t = {k: v.cuda() for k, v in q.tensors.items()}
     return dequantize(t["trellis"], t["suh"], t["svh"], BITS)
@@ -115,7 +115,7 @@ def test_real_shape_experts_quantize_within_error_bounds(real_shape):
 def test_format_dequantisation_matches_exllamav3_reconstruction(real_shape):
     import torch
 
-    from glmctl.plugin.exl3_experts import ext
+    from glmctl.plugin.quantization.exl3_experts import ext
 
     q = real_shape["free"][(0, "down_proj")]
     t = {k: v.cuda() for k, v in q.tensors.items()}
@@ -129,7 +129,7 @@ def small_layer():
     """8 experts at the TP8 slice shape (hidden 4096, 256 channels), calibration-free."""
     import torch
 
-    from glmctl.plugin.exl3_experts import Exl3MoE, Exl3Projection
+    from glmctl.plugin.quantization.exl3_experts import Exl3MoE, Exl3Projection
 
     g = torch.Generator().manual_seed(2)
     e = 8
@@ -158,7 +158,7 @@ def _routing(torch, tokens: int, experts: int, top_k: int, seed: int, skew: floa
 
 
 def _check_layer(small_layer, x, ids, w, label, bound=1e-2, decode="coop"):
-    from glmctl.plugin.exl3_experts import moe_reference
+    from glmctl.plugin.quantization.exl3_experts import moe_reference
 
     moe = small_layer["moe"]
     moe.decode_kernel = decode
@@ -208,7 +208,7 @@ def test_reference_trellis_decode_is_exllamav3s_reconstruct(real_shape):
     import torch
     from glmctl.kernels.exl3_trellis import decode_trellis_ref
 
-    from glmctl.plugin.exl3_experts import ext
+    from glmctl.plugin.quantization.exl3_experts import ext
 
     q = real_shape["free"][(0, "gate_proj")]
     trellis = q.tensors["trellis"].cuda()
@@ -240,7 +240,7 @@ def test_tp_slices_of_the_layer_sum_to_the_whole_layer(small_layer):
     import torch
     from glmctl.quantize.exl3_format import tp_slice
 
-    from glmctl.plugin.exl3_experts import Exl3MoE, Exl3Projection
+    from glmctl.plugin.quantization.exl3_experts import Exl3MoE, Exl3Projection
 
     x = torch.randn(9, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids, w = _routing(torch, 9, small_layer["experts"], 2, 9)
@@ -262,7 +262,7 @@ def test_tp_slices_of_the_layer_sum_to_the_whole_layer(small_layer):
 def test_captured_graph_replays_with_new_routing(small_layer, tokens, decode):
     import torch
 
-    from glmctl.plugin.exl3_experts import moe_reference
+    from glmctl.plugin.quantization.exl3_experts import moe_reference
 
     moe, d = small_layer["moe"], small_layer["deq"]
     moe.decode_kernel = decode
@@ -313,7 +313,12 @@ def test_converter_end_to_end_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
     from glmctl.quantize.exl3_plan import Exl3Settings
     from safetensors.torch import load_file
 
-    from glmctl.plugin.exl3_experts import Exl3MoE, Exl3Projection, dequantize, moe_reference
+    from glmctl.plugin.quantization.exl3_experts import (
+        Exl3MoE,
+        Exl3Projection,
+        dequantize,
+        moe_reference,
+    )
 
     spec = tiny_checkpoint.spec
     t0 = time.perf_counter()
@@ -345,7 +350,7 @@ def test_converter_end_to_end_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
 
 MGEMM_PROBE = textwrap.dedent("""
     import json, sys, torch
-    from glmctl.plugin.exl3_experts import ext
+    from glmctl.plugin.quantization.exl3_experts import ext
     mode = sys.argv[1]
     e, k, n, bits = 64, 4096, 256, 4
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -82,7 +82,7 @@ def test_registered_ops_keep_the_callers_shape():
     pytest.importorskip("vllm")
     from glmctl.kernels import mhc_pre_post
 
-    from glmctl.plugin import mhc_ops
+    from glmctl.plugin.mhc import mhc_ops
 
     mhc_ops.register()
     residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(6, seed=5)

@@ -2,7 +2,7 @@
 references), with metadata built the way vLLM 0.30's builder builds it, including CUDA-graph
 capture and replay of decode batches up to 48 tokens.
 
-vLLM is not installed on the GPU test machine, so this drives `glmctl.plugin.sparse_mla_compute`
+vLLM is not installed on the GPU test machine, so this drives `glmctl.plugin.attention.sparse_mla_compute`
 (what `GlmctlSparseMLAImpl.forward_mqa` and the metadata builder call) directly:
   - request ids per token from the CPU query_start_loc (the builder's `request_ids_per_token`);
   - the indexer's shared top-k buffer: request-local positions, `topk + kpool - 1` wide padded
@@ -25,14 +25,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.plugin.kernel_table import sparse_mla_kernels  # noqa: E402
-from glmctl.plugin.policy import Target  # noqa: E402
-from glmctl.plugin.sparse_mla_compute import (  # noqa: E402
+from glmctl.plugin.attention.kernel_table import sparse_mla_kernels  # noqa: E402
+from glmctl.plugin.attention.sparse_mla_compute import (  # noqa: E402
     decode_batch_sizes,
     make_decode_setup,
     request_ids_per_token,
     sparse_mla_forward,
 )
+from glmctl.plugin.policy import Target  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@
   (tests/vllm/test_quantize_vllm._dequantised_copy).
 - EXL3 experts: `glmctl quantize exl3 --calibration none --tp 1` run as a user runs it (exllamav3's
   quantizer on the GPU); its twin is the BF16 source with every routed expert's weight replaced by
-  what its EXL3 tensors encode (`glmctl.plugin.exl3_experts.dequantize`, the format's definition).
+  what its EXL3 tensors encode (`glmctl.plugin.quantization.exl3_experts.dequantize`, the format's definition).
 A served quantised model is judged against transformers fp32 on its twin (the same function up to
 serving noise) and against the BF16 checkpoint (how much the quantisation moves it).
 """
@@ -55,7 +55,7 @@ def exl3_dequantised_twin(src: Path, exl3: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from glmctl.plugin.exl3_experts import dequantize
+    from glmctl.plugin.quantization.exl3_experts import dequantize
 
     bits = json.loads((exl3 / "config.json").read_text())["quantization_config"]["experts"]["bits"]
     encoded: dict[str, torch.Tensor] = {}

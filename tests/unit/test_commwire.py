@@ -27,7 +27,7 @@ from vllm.distributed.device_communicators import (  # noqa: E402
 )
 from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator  # noqa: E402
 
-from glmctl.plugin import tp_communicator as cw  # noqa: E402
+from glmctl.plugin.distributed import tp_communicator as cw  # noqa: E402
 
 MiB = 1 << 20
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)

@@ -17,7 +17,7 @@ from glmctl.plan import (
 )
 from glmctl.plan.drafter_kv import capacity_with_drafter, draft_page_bytes, drafter_kv
 from glmctl.plan.serving_setup import DrafterSpec, Speculative
-from glmctl.plugin.dflash2_layout import (
+from glmctl.plugin.spec_decode.dflash2_layout import (
     PoolShape,
     alias_placement,
     append_placement,
@@ -65,7 +65,7 @@ def test_choose_takes_the_placement_with_more_tokens_and_honours_the_switch():
 
 
 def test_requested_placement_reads_the_switch(monkeypatch):
-    from glmctl.plugin.dflash2_layout import requested_placement
+    from glmctl.plugin.spec_decode.dflash2_layout import requested_placement
 
     monkeypatch.delenv("GLMCTL_DFLASH2_KV", raising=False)
     assert requested_placement() is None
@@ -152,7 +152,7 @@ def test_plan_on_cpu_with_the_tiny_drafter_shape(monkeypatch, tmp_path):
 
 def test_selector_walk_follows_the_best_successor_of_each_choice():
     torch = pytest.importorskip("torch")
-    from glmctl.plugin.dflash2 import selector_walk
+    from glmctl.plugin.spec_decode.dflash2 import selector_walk
 
     gen = torch.Generator().manual_seed(0)
     reqs, steps, k = 3, 5, 4
@@ -171,7 +171,7 @@ def test_selector_walk_follows_the_best_successor_of_each_choice():
 
 def test_dflash_inputs_match_the_kernels_semantics():
     torch = pytest.importorskip("torch")
-    from glmctl.plugin.dflash2_cpu import copy_and_expand_dflash_inputs
+    from glmctl.plugin.platforms.cpu.dflash2_cpu import copy_and_expand_dflash_inputs
 
     block, q = 4, 3  # 1 + 2 drafts
     # two requests: 5 context tokens at positions 10..14 (the last one rejected), 2 at 3..4

@@ -258,8 +258,8 @@ def test_exl3_over_an_fp8_attention_checkpoint_keeps_its_fp8_attention(tiny_chec
     from glmctl.quantize.fp8_plan import Fp8Settings
 
     from glmctl.plan.model import load_model_spec
-    from glmctl.plugin.exl3_config import Exl3ExpertsConfig
-    from glmctl.plugin.fp8_attention import _block_fp8
+    from glmctl.plugin.quantization.exl3_config import Exl3ExpertsConfig
+    from glmctl.plugin.quantization.fp8_attention import _block_fp8
 
     fp8 = tmp_path / "fp8"
     convert_fp8(Path(tiny_checkpoint.path), fp8, Fp8Settings())

@@ -33,7 +33,7 @@ def test_registration_respects_the_switch_and_is_idempotent(monkeypatch):
         get_quantization_config,
     )
 
-    from glmctl.plugin.exl3_config import Exl3ExpertsConfig, register_exl3_quantization
+    from glmctl.plugin.quantization.exl3_config import Exl3ExpertsConfig, register_exl3_quantization
 
     for off in ("off", "no", "0", "False"):
         monkeypatch.setenv("GLMCTL_EXL3", off)
@@ -47,7 +47,7 @@ def test_registration_respects_the_switch_and_is_idempotent(monkeypatch):
 def test_config_routes_converted_layers_and_hands_the_rest_to_the_source_format():
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    from glmctl.plugin.exl3_config import Exl3ExpertsConfig
+    from glmctl.plugin.quantization.exl3_config import Exl3ExpertsConfig
 
     bf16 = Exl3ExpertsConfig.from_config(_spec())
     assert bf16.layers == {1, 45} and bf16.inner is None and bf16.get_name() == "glmctl_exl3"
@@ -134,7 +134,7 @@ def test_weight_loader_places_every_rank_slice_through_vllms_expert_mapping(tp_s
     import torch
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    from glmctl.plugin.exl3_method import Exl3MoEMethod
+    from glmctl.plugin.quantization.exl3_method import Exl3MoEMethod
 
     experts, hidden, inter, bits = 3, 256, 256 * tp_size, 4
     stored = _stored(torch, experts, hidden, inter, bits)
@@ -171,7 +171,7 @@ def test_weight_loader_places_every_rank_slice_through_vllms_expert_mapping(tp_s
 def test_loader_skips_experts_of_other_ranks_and_refuses_shape_mismatches():
     import torch
 
-    from glmctl.plugin.exl3_method import Exl3MoEMethod
+    from glmctl.plugin.quantization.exl3_method import Exl3MoEMethod
 
     spec = Exl3ExpertsSpec.from_config(_spec())
     layer = _Layer(torch, local_experts={0})
@@ -191,7 +191,7 @@ def test_loader_skips_experts_of_other_ranks_and_refuses_shape_mismatches():
 def test_loading_refuses_missing_markers_before_touching_cuda():
     import torch
 
-    from glmctl.plugin.exl3_method import Exl3MoEMethod
+    from glmctl.plugin.quantization.exl3_method import Exl3MoEMethod
 
     layer = _Layer(torch)
     method = Exl3MoEMethod(_moe(1, 0), Exl3ExpertsSpec.from_config(_spec()))
@@ -206,7 +206,7 @@ def test_dummy_weights_get_valid_markers():
     import torch
     from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
 
-    from glmctl.plugin.exl3_method import Exl3MoEMethod
+    from glmctl.plugin.quantization.exl3_method import Exl3MoEMethod
 
     layer = _Layer(torch)
     Exl3MoEMethod(_moe(1, 0), Exl3ExpertsSpec.from_config(_spec())).create_weights(layer, 2, 256, 256, torch.bfloat16)

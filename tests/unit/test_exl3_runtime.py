@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from glmctl.quantize.exl3_format import tp_slice
 
-import glmctl.plugin.exl3_experts as rt
+import glmctl.plugin.quantization.exl3_experts as rt
 
 BITS = 4
 
@@ -267,7 +267,7 @@ def test_pointer_tables_follow_strided_expert_views(fake):
 
 @pytest.mark.parametrize("tokens, top_k", [(1, 8), (8, 8), (32, 8), (48, 8), (64, 8), (3, 2)])
 def test_auto_picks_coop_lean_at_every_decode_size(tokens, top_k):
-    from glmctl.plugin.exl3_decode import pick_decode_path
+    from glmctl.plugin.quantization.exl3_decode import pick_decode_path
 
     assert pick_decode_path(tokens, top_k, 4.0, triton_ok=True) == "coop_lean"
     assert pick_decode_path(tokens, top_k, 3.0, triton_ok=False) == "coop_lean"

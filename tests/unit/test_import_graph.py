@@ -37,14 +37,18 @@ def imported_names(name: str, path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = name.split(".")
-                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
-                base = ".".join([*anchor, *([node.module] if node.module else [])])
-            else:
-                base = node.module or ""
+            base = _from_base(name, is_package, node)
             out.update(f"{base}.{alias.name}" for alias in node.names)
     return out
+
+
+def _from_base(name: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module that module `name`'s `from ... import` statement reads from."""
+    if not node.level:
+        return node.module or ""
+    anchor = name.split(".")
+    anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+    return ".".join([*anchor, *([node.module] if node.module else [])])
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -183,3 +187,97 @@ def test_every_module_of_the_package_is_used_by_the_package():
         if not any(text is not own and (name in text or path.name in text) for text in texts):
             unused.append(name)
     assert not unused, f"modules no part of the package uses (move test-only helpers to tests/): {unused}"
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _home(dotted: str, known: dict[str, Path]) -> str | None:
+    """The package a dotted name's first `_private` part belongs to (None: nothing private in it):
+    the package holding it, or, when a module holds it, that module's package.
+
+    `glmctl._cli.options` -> `glmctl` (the private package `_cli` is glmctl's);
+    `glmctl.plugin.activation._installed` and `glmctl.plugin.policy.Target._x` -> `glmctl.plugin`;
+    `glmctl.plan._x` (a name in a package's `__init__`) -> `glmctl.plan`."""
+    parts = dotted.split(".")
+    private = next((i for i, part in enumerate(parts) if i and _is_private(part)), None)
+    if private is None:
+        return None
+    owner = parts[:private]
+    while owner and ".".join(owner) not in known:
+        owner.pop()
+    if not owner:
+        return None
+    holder = ".".join(owner)
+    return holder if known[holder].name == "__init__.py" else holder.rpartition(".")[0]
+
+
+def private_reaches(name: str, path: Path, known: dict[str, Path],
+                    root: str = "glmctl") -> list[str]:
+    """Every `_private` name under `root` that module `name` imports, or reads off a module it
+    imported (`alias._x`, `alias.Class._x`), from outside the package that holds it (`_home`)."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    reached: set[str] = set()
+    aliases: dict[str, str] = {}  # local name -> the module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                reached.add(alias.name)
+                bound = alias.asname or alias.name.split(".")[0]
+                aliases[bound] = alias.name if alias.asname else bound
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(name, is_package, node)
+            for alias in node.names:
+                reached.add(f"{base}.{alias.name}")
+                if f"{base}.{alias.name}" in known:
+                    aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in aliases:
+                reached.add(".".join([aliases[value.id], *reversed(chain)]))
+    found = []
+    for dotted in sorted(reached):
+        if not (dotted == root or dotted.startswith(root + ".")):
+            continue
+        home = _home(dotted, known)
+        if home is not None and not (name == home or name.startswith(home + ".")):
+            found.append(f"{name} -> {dotted}")
+    return found
+
+
+def test_private_names_stay_in_their_package(tmp_path):
+    """`p.b.n` may not import `_x` from `p.a.m` (a sibling package) nor read `mm.C._w` off it, nor
+    may `p.b.deep.d` read `m._x`; `p.a.k` (the same package) may, `p.b.deep.d` may read `n._z` of
+    its own package `p.b`, and anything under `p` may use `p._util` and `p`'s own `_y`."""
+    files = {
+        "p/__init__.py": "_y = 1\n", "p/_util.py": "", "p/a/__init__.py": "", "p/a/m.py": "_x = 1\n",
+        "p/a/k.py": "from p.a.m import _x\nfrom p.a import m\nm._x\n",
+        "p/b/__init__.py": "", "p/b/deep/__init__.py": "",
+        "p/b/n.py": "from p.a.m import _x\nfrom p import _y, _util\nimport p.a.m as mm\nmm.C._w\n",
+        "p/b/deep/d.py": "from ...a import m\nprint(m._x)\nfrom .. import n\nn._z\n",
+    }
+    known = {}
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        parts = Path(rel).with_suffix("").parts
+        known[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    found = {m: private_reaches(m, known[m], known, root="p") for m in known}
+    assert found["p.a.k"] == []
+    assert found["p.b.n"] == ["p.b.n -> p.a.m.C._w", "p.b.n -> p.a.m._x"]
+    assert found["p.b.deep.d"] == ["p.b.deep.d -> p.a.m._x"]  # n._z is p.b's: d is inside p.b
+
+
+def test_no_module_takes_a_private_name_from_another_package():
+    """A `_name` is private to the package holding it (a module's: the module's package). Make it
+    public, or move the code that needs it into that package."""
+    known = modules()
+    found = [line for name, path in known.items() for line in private_reaches(name, path, known)]
+    assert found == [], "private names used outside their package:\n" + "\n".join(found)

@@ -9,7 +9,7 @@ import pytest
 
 from glmctl.errors import ConfigError
 from glmctl.plan import load_model_spec
-from glmctl.plan.node_prediction import (
+from glmctl.plan.prediction.node_prediction import (
     L40_DATASHEET,
     REPORT_TOKENS_PER_STEP,
     HostStagedFallback,
@@ -245,7 +245,7 @@ def test_steps_measured_whole_scale_by_the_stated_assumption_with_a_range(tmp_pa
     assert "measured whole (no breakdown)" in eight.label and eight.label.startswith("predicted (from")
     assert any("no breakdown was measured" in n for n in pred.notes)
     # a stated half-share: half the step scales, half does not
-    from glmctl.plan.node_records import WholeStepAssumption
+    from glmctl.plan.prediction.node_records import WholeStepAssumption
 
     half = predict_node(run.model_copy(update={"whole_step": WholeStepAssumption(scaled_share=0.5)}),
                         time_model=_free_collectives)

@@ -9,8 +9,8 @@ import pytest
 
 from glmctl.errors import UsageError
 from glmctl.plan import kv_cache_layout, kv_capacity, load_model_spec
+from glmctl.plan.prediction.rank import rank_model_spec, rank_weights, truncated_model_spec
 from glmctl.plan.presets import GLM53_FLASH
-from glmctl.plan.rank import rank_model_spec, rank_weights, truncated_model_spec
 
 GIB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""The plugin's FP8-attention rules (`glmctl.plugin.fp8_selection`): pure Python, no vLLM.
+"""The plugin's FP8-attention rules (`glmctl.plugin.quantization.fp8_selection`): pure Python, no vLLM.
 The vllm lane checks what vLLM then builds from them (tests/vllm/test_quantize_vllm.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from glmctl.plugin import fp8_selection as sel
+from glmctl.plugin.quantization import fp8_selection as sel
 
 
 @pytest.mark.parametrize(("name", "want"), [

@@ -1,4 +1,4 @@
-"""MTP verification on vLLM CPU (`glmctl.plugin.cpu_mtp`): the torch stand-ins for vLLM's
+"""MTP verification on vLLM CPU (`glmctl.plugin.platforms.cpu.cpu_mtp`): the torch stand-ins for vLLM's
 rejection-sampler kernels follow the kernels' per-request semantics, and speculative sampling
 with them leaves the target distribution unchanged. No vLLM needed; fresh random inputs."""
 
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.plugin.cpu_mtp import (  # noqa: E402
+from glmctl.plugin.platforms.cpu.cpu_mtp import (  # noqa: E402
     expand_to_tokens,
     rejection_greedy_sample,
     rejection_random_sample,

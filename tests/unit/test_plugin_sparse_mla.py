@@ -1,4 +1,4 @@
-"""The sparse-MLA backend's computation (`glmctl.plugin.sparse_mla_compute`) on CPU: which batches
+"""The sparse-MLA backend's computation (`glmctl.plugin.attention.sparse_mla_compute`) on CPU: which batches
 take split-K decode, the CPU path on the 512-byte fp8 cache, and the CUDA kernel table run in the
 Triton interpreter (split-K decode and prefill over fp8 / fp8_ds_mla / bf16 caches) against the CPU
 torch path, with vLLM-shaped metadata (block tables in any order, a strided cache view)."""
@@ -23,15 +23,15 @@ interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fre
 
 from glmctl.kernels.layouts import kv_format, normalise_kv_cache_dtype  # noqa: E402
 
-from glmctl.plugin.kernel_table import sparse_mla_kernels  # noqa: E402
-from glmctl.plugin.policy import Target  # noqa: E402
-from glmctl.plugin.sparse_mla_compute import (  # noqa: E402
+from glmctl.plugin.attention.kernel_table import sparse_mla_kernels  # noqa: E402
+from glmctl.plugin.attention.sparse_mla_compute import (  # noqa: E402
     DecodeSetup,
     decode_batch_sizes,
     make_decode_setup,
     request_ids_per_token,
     sparse_mla_forward,
 )
+from glmctl.plugin.policy import Target  # noqa: E402
 
 BLOCK, WIDTH, HEADS, SCALE = 16, 256, 4, 0.07
 ROW = {"bf16": (512, torch.bfloat16), "fp8": (512, torch.uint8), "fp8_ds_mla": (656, torch.uint8)}

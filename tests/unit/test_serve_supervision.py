@@ -96,7 +96,7 @@ def test_run_foreground_forwards_sigterm_and_returns_vllms_status(tmp_path, monk
 
 
 def test_a_profiles_switches_are_what_the_plugin_reads():
-    from glmctl.plugin.tp_communicator import settings_from_env
+    from glmctl.plugin.distributed.tp_communicator import settings_from_env
     from glmctl.serving import plugin_switches
 
     env = plugin_switches.profile_switches(profiles.load("commercial"))

@@ -103,7 +103,7 @@ class Drafts:
         return out
 
     def install(self) -> None:
-        from glmctl.plugin import dflash2
+        from glmctl.plugin.spec_decode import dflash2
 
         stock_walk = dflash2.selector_walk
         drafts = self
@@ -164,7 +164,7 @@ def _engine_facts(llm) -> dict:
         facts["kv_tokens_error"] = repr(exc)
     try:
         runner = engine.model_executor.driver_worker.worker.model_runner
-        from glmctl.plugin.dflash2_kv import split_draft
+        from glmctl.plugin.spec_decode.dflash2_kv import split_draft
 
         split = split_draft(runner.kv_cache_config.kv_cache_groups)
         facts["placement"] = split[2] if split is not None else None

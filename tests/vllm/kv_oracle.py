@@ -238,7 +238,7 @@ def _install_plugin_block_rule(platform_cls) -> None:
     import vllm.platforms as platforms
 
     from glmctl.plugin.adapters import _install_kpool_block_alignment
-    from glmctl.plugin.mtp import _install_tail_ring
+    from glmctl.plugin.spec_decode.mtp import _install_tail_ring
 
     saved = platforms._current_platform
     platforms._current_platform = platform_cls()
@@ -275,7 +275,7 @@ def _mla_cache_dtypes(backend: str | None, cache_dtype: str) -> tuple[str, str]:
 
     ours = cache_dtype
     if backend == "glmctl":
-        from glmctl.plugin.sparse_mla import GlmctlSparseMLABackend
+        from glmctl.plugin.attention.sparse_mla import GlmctlSparseMLABackend
 
         ours = canonical(GlmctlSparseMLABackend, cache_dtype)
     return ours, canonical(FlashMlaSparseName, cache_dtype)

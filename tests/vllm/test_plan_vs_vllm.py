@@ -95,7 +95,7 @@ def _rank_cases(full: str, rank: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rank_config_json(tmp_path_factory) -> str:
-    from glmctl.plan.rank import rank_model_spec
+    from glmctl.plan.prediction.rank import rank_model_spec
     from glmctl.testing.rank_config import rank_hf_config
 
     rank = rank_model_spec(load_model_spec("glm-5.3-flash"), 8)

@@ -1,5 +1,5 @@
 """The plugin's Triton mHC path as torch ops, on CPU: the ops are defined through vLLM's own
-registration helper (schemas inferred from glmctl.plugin.mhc_ops' annotations), run the kernels
+registration helper (schemas inferred from glmctl.plugin.mhc.mhc_ops' annotations), run the kernels
 under the Triton interpreter in a fresh process, keep the caller's leading shape, and their fake
 implementations give torch.compile the same shapes and dtypes as the real ones."""
 
@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from glmctl.kernels import mhc_pre_post
-    from glmctl.plugin import mhc_ops
+    from glmctl.plugin.mhc import mhc_ops
 
     mhc_ops.register(dispatch_key="CPU")
     mhc_ops.register(dispatch_key="CPU")  # once per process

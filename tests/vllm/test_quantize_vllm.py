@@ -15,9 +15,9 @@ fails a test and says which verdict in `glmctl.quantize.glm5next` to update):
 - The default selection (which includes KDA q/k/v) stops at `in_proj_qkvbfg_a.weight_scale_inv`:
   stock vLLM builds KDA without the FP8 method, so FP8 KDA needs the glmctl plugin.
 
-With the glmctl plugin's model hooks (`glmctl.plugin.fp8_attention`, cases `+plugin`):
+With the glmctl plugin's model hooks (`glmctl.plugin.quantization.fp8_attention`, cases `+plugin`):
 - the default selection and an every-attention-projection one load completely; each FP8 unit
-  (`glmctl.plugin.fp8_selection`) is built with FP8 parameters that hold the checkpoint's bytes,
+  (`glmctl.plugin.quantization.fp8_selection`) is built with FP8 parameters that hold the checkpoint's bytes,
   with vLLM's own `Fp8LinearMethod` (`+plugin-vllm`, the GPU path; GEMM kernel stubbed, nothing
   runs) as with the CPU method; units kept in BF16 hold the exact dequantisation;
 - on CPU each FP8 unit then computes with exactly `dequantize_block_fp8(weight, scale)` (an
@@ -140,7 +140,7 @@ def probe(port: int, cases: list[tuple[str, str]]) -> dict:
         r = report[label] = {}
         plugin = "+plugin" in label
         if plugin:  # the plugin's hooks stay installed: plugin cases come last
-            from glmctl.plugin.fp8_attention import install_model_hooks
+            from glmctl.plugin.quantization.fp8_attention import install_model_hooks
 
             os.environ["GLMCTL_FP8_ATTENTION_METHOD"] = "vllm" if label.endswith("-vllm") else "dequant"
             install_model_hooks()
@@ -322,7 +322,7 @@ def test_plugin_fates_in_the_converter_table_are_what_vllm_builds(vllm_report, c
     """`glm5next.plugin_fate` (the converter's notes) against the units vLLM built above."""
     from glmctl.quantize.glm5next import LayerKinds, plugin_fate
 
-    from glmctl.plugin.fp8_selection import BF16_UNITS, FP8_UNITS
+    from glmctl.plugin.quantization.fp8_selection import BF16_UNITS, FP8_UNITS
 
     config = json.loads((conversions["all"] / "config.json").read_text())
     kinds = LayerKinds(config)

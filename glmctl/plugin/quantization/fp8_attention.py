@@ -27,7 +27,8 @@ import logging
 from collections.abc import Mapping
 
 from glmctl import switches
-from glmctl.plugin.fp8_selection import (
+from glmctl.plugin.patching import wrap_once
+from glmctl.plugin.quantization.fp8_selection import (
     KDA_QKV,
     MLA_QKV_A,
     AttentionFp8Selection,
@@ -39,7 +40,6 @@ from glmctl.plugin.fp8_selection import (
     site,
     switched_off,
 )
-from glmctl.plugin.patching import wrap_once
 
 logger = logging.getLogger("vllm.glmctl")
 _MARK = "_glmctl_fp8_attention"
@@ -77,7 +77,7 @@ def install_model_hooks() -> None:
     import vllm.models.glm5next  # noqa: F401
     from vllm.models.glm5next.nvidia import attention, kda, model, mtp
 
-    from glmctl.plugin.fp8_loading import wrap_load_weights
+    from glmctl.plugin.quantization.fp8_loading import wrap_load_weights
 
     for cls, name, make in ((kda.Glm5NextLinearAttention, "__init__", _kda_init),
                             (attention.Glm5NextMLAAttention, "__init__", _mla_init),
@@ -97,13 +97,13 @@ class Fp8AttentionPlan:
         self.block = selection.block
 
     def quant_config(self, fp8_prefixes: set[str] | None = None):
-        from glmctl.plugin.fp8_linear import AttentionFp8Config
+        from glmctl.plugin.quantization.fp8_linear import AttentionFp8Config
 
         return AttentionFp8Config(self.inner, self.kind, fp8_prefixes)
 
 
 def _block_fp8(quant_config):
-    from glmctl.plugin.fp8_linear import inner_fp8_config
+    from glmctl.plugin.quantization.fp8_linear import inner_fp8_config
 
     inner = inner_fp8_config(quant_config) if quant_config is not None else None
     if inner is None:
@@ -124,7 +124,7 @@ def plan_for(vllm_config) -> Fp8AttentionPlan | None:
     if cfg is not None:
         from vllm.platforms import current_platform
 
-        from glmctl.plugin.fp8_linear import inner_fp8_config
+        from glmctl.plugin.quantization.fp8_linear import inner_fp8_config
 
         model_config = vllm_config.model_config
         names = checkpoint_tensor_names(str(model_config.model), getattr(model_config, "revision", None))
@@ -160,7 +160,7 @@ def _kda_init(stock):
 def _build_kda_fp8(layer_module, plan: Fp8AttentionPlan, prefix: str) -> None:
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    from glmctl.plugin.fp8_linear import KdaInputProjections
+    from glmctl.plugin.quantization.fp8_linear import KdaInputProjections
 
     m, sel, block = layer_module, plan.selection, plan.block
     layer, tp = _layer(prefix), m.tp_size

@@ -7,7 +7,7 @@ changes, so its data flow, caches and metadata stay vLLM's own.
 
   KDA          chunked prefill, recurrent decode and MTP verify, state gather/scatter, the conv
                decode update (vLLM's C++ one needs a bf16-prepacked weight; we keep fp32)
-  (mHC: see `glmctl.plugin.mhc`, installed on every target)
+  (mHC: see `glmctl.plugin.mhc.mhc`, installed on every target)
   q/kv norm    the fused Triton q_a/kv_a RMSNorm
   indexer      Hadamard+FP8 query quantisation and three `torch.compile` helpers (eager)
   MTP          the fused Triton embed/hidden norm of the draft layer; draft step and
@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from glmctl.kernels.kda import chunk_kda_varlen, fused_recurrent_kda_varlen
 from glmctl.kernels.kda_conv import causal_conv1d_update_ref
-from glmctl.plugin.cpu_mtp import WithoutWarmup
 from glmctl.plugin.patching import after_init
+from glmctl.plugin.platforms.cpu.cpu_mtp import WithoutWarmup
 
 
 def install() -> list[str]:
-    from glmctl.plugin import cpu_metadata, cpu_mtp
+    from glmctl.plugin.platforms.cpu import cpu_metadata, cpu_mtp
 
     _install_kda()
     _install_mla_q_kv_norm()
@@ -143,7 +143,7 @@ def _pad_indexer_heads(x, pad):
 def _install_indexer_helpers() -> None:
     from vllm.models.glm5next.nvidia import attention
 
-    from glmctl.plugin.kernel_table import indexer_kernels
+    from glmctl.plugin.attention.kernel_table import indexer_kernels
 
     attention.fwht128_quant_fp8 = indexer_kernels().q_quant
     attention._fused_indexer_k_norm = _indexer_k_norm

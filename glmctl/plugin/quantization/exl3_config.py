@@ -4,7 +4,7 @@ vLLM picks this from the checkpoint's `quantization_config` (glmctl.quantize.exl
 `--quantization` flag is needed. `register_exl3_quantization()` runs in the plugin's `register()`
 in every vLLM process, before vLLM parses the model config. `get_quant_method` answers per layer:
   - the routed experts (vLLM's `RoutedExperts`) of a converted MoE layer -> `Exl3MoEMethod`
-    (glmctl.plugin.exl3_method, imported only then: it pulls in vLLM's fused-MoE modules);
+    (glmctl.plugin.quantization.exl3_method, imported only then: it pulls in vLLM's fused-MoE modules);
   - everything else -> what the source format needs: vLLM's own `Fp8Config` for a block-FP8
     source (`non_experts`); for bf16, vLLM's unquantized methods (`UnquantizedLinearMethod`,
     `UnquantizedFusedMoEMethod` for an unconverted MoE layer; vLLM's linear layers refuse a
@@ -83,7 +83,7 @@ class Exl3ExpertsConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
         if isinstance(layer, RoutedExperts) and layer_index(prefix) in self.layers:
-            from glmctl.plugin.exl3_method import Exl3MoEMethod
+            from glmctl.plugin.quantization.exl3_method import Exl3MoEMethod
 
             return Exl3MoEMethod(layer.moe_config, self.spec)
         if self.inner is not None:

@@ -1,6 +1,6 @@
 """Routed experts of one MoE layer on one TP rank, run by exllamav3 1.6.5's fused MoE kernel.
 
-No vLLM here (the vLLM adapter is glmctl.plugin.exl3_method): plain torch tensors in the
+No vLLM here (the vLLM adapter is glmctl.plugin.quantization.exl3_method): plain torch tensors in the
 glmctl-exl3/1 layout (glmctl.quantize.exl3_format) and `exllamav3_ext` ops, so the gpu lane and
 bench/exl3.py run it on a machine without vLLM. `moe_reference` / `dequantize` beside it are the
 torch references.
@@ -8,7 +8,7 @@ torch references.
 How a forward runs (T tokens, top-k experts each, E local experts, R = FUSED_ROWS):
   1. x (bf16) -> fp16, the kernel's only activation type: values beyond +-65280 are clamped and
      counted in a device counter (`fp16_clamped`), never silently turned into inf.
-  Decode (up to 64 tokens): the path glmctl.plugin.exl3_decode picks: exllamav3's
+  Decode (up to 64 tokens): the path glmctl.plugin.quantization.exl3_decode picks: exllamav3's
      `exl3_moe_coop` (vLLM's routing as it is; 256 (token, expert) slots per call, so 33-64
      tokens take two calls) or glmctl's Triton kernels (glmctl.kernels.exl3_moe_decode).
      Larger batches:
@@ -49,7 +49,11 @@ from functools import cache
 import torch
 
 from glmctl import switches
-from glmctl.plugin.exl3_decode import TritonDecode, decode_path_from_env, pick_decode_path
+from glmctl.plugin.quantization.exl3_decode import (
+    TritonDecode,
+    decode_path_from_env,
+    pick_decode_path,
+)
 
 FP16_SAFE = 65280.0  # the largest bf16 value that fp16 can hold (fp16 max 65504 rounds up in bf16)
 FUSED_ROWS = 256  # rows per expert in the fused kernel's buffers (its 64-row tiles reach 256)
@@ -194,7 +198,7 @@ class Exl3MoE:
         self._buffers = _shared_buffers(self.device, self.hidden, self.intermediate)
         self.fp16_clamped = torch.zeros((), dtype=torch.int64, device=self.device)
         self.prefill_mode = switches.read("GLMCTL_EXL3_PREFILL")  # recon: heavy experts rebuilt; chunk: slices
-        self.decode_kernel = decode_path_from_env()  # glmctl.plugin.exl3_decode: paths and the auto rule
+        self.decode_kernel = decode_path_from_env()  # glmctl.plugin.quantization.exl3_decode: paths and the auto rule
         self._triton = (TritonDecode(gate, up, down, self.act_limit)
                         if TritonDecode.supports(self.bits, self.hidden, self.intermediate) else None)
 

@@ -1,11 +1,11 @@
 """`Exl3MoEMethod`: vLLM 0.30's MoE method for EXL3 routed experts (glmctl-exl3/1 checkpoints).
 
-Chosen by glmctl.plugin.exl3_config for the routed experts of each converted MoE layer. It
+Chosen by glmctl.plugin.quantization.exl3_config for the routed experts of each converted MoE layer. It
 registers the EXL3 tensors as parameters named so that vLLM's GLM-5.3-Flash loader finds them
 with its usual expert mapping (`experts.E.gate_proj.trellis` -> `experts.routed_experts.
 w13_trellis`, shard w1, expert E), slices them for this TP rank in its own weight loader
 (128-element slices, `exl3_format.tp_slice`), and runs the rank's experts with
-glmctl.plugin.exl3_experts; vLLM all-reduces the partial outputs as for any MoE method, and runs
+glmctl.plugin.quantization.exl3_experts; vLLM all-reduces the partial outputs as for any MoE method, and runs
 the shared expert itself (unchanged). Expert parallelism is refused: each rank holds every
 expert's slice.
 """
@@ -82,7 +82,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        from glmctl.plugin.exl3_experts import Exl3MoE, Exl3Projection
+        from glmctl.plugin.quantization.exl3_experts import Exl3MoE, Exl3Projection
 
         bad = int((layer.w13_mul1 != MUL1_MARKER).sum()) + int((layer.w2_mul1 != MUL1_MARKER).sum())
         if bad:

@@ -6,7 +6,7 @@ kpool tails over the indexer pages) and only when every attention layer is MLA. 
 drafter brings plain attention layers (Qwen3 K/V pages), so stock vLLM falls through to its
 generic grouping, which cannot pad MLA pages and refuses to start ("Padding is only supported
 for non-MLA attention layers"). Here the target's layers keep exactly vLLM's layout and the draft
-layers are placed by `glmctl.plugin.dflash2_layout` (`alias`: their own group, pages laid over
+layers are placed by `glmctl.plugin.spec_decode.dflash2_layout` (`alias`: their own group, pages laid over
 the target's MLA pages; `append`: extra pages in every block of the target's attention group).
 
 Four functions of `kv_cache_utils` are wrapped, each doing the stock work on the target's layers
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from glmctl.plugin.dflash2_layout import (
+from glmctl.plugin.spec_decode.dflash2_layout import (
     DraftPlacement,
     PoolShape,
     cdiv,

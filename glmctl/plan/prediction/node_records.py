@@ -135,7 +135,7 @@ class PrefillMeasurement(BaseModel):
 
 class WholeStepAssumption(BaseModel):
     """How a step measured whole (no breakdown) is scaled: a stated assumption, printed with every
-    such cell (`glmctl.plan.node_whole_step`)."""
+    such cell (`glmctl.plan.prediction.node_whole_step`)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -154,7 +154,7 @@ class WholeStepAssumption(BaseModel):
 class MeasuredRun(BaseModel):
     """The measurements, written by hand or from `bench/rank_sim.py` records: `rank_sim` names
     record files (relative to this file) or holds them; their cells, breakdown and TTFTs then fill
-    `reference`, `cells` and `prefill` (`glmctl.plan.rank_sim_records`)."""
+    `reference`, `cells` and `prefill` (`glmctl.plan.prediction.rank_sim_records`)."""
 
     source: str  # where the measurements come from (file, run, date)
     device: DeviceFigures  # the stand-in GPU's measured figures

@@ -29,7 +29,7 @@ What GLM-5.3-Flash needs on top, installed here (none of it is a fork):
   layers record each layer's output; mHC layers defer their residual-stream update to the next
   layer, so the hook completes it (`hc_post`) and averages the streams (`hc_contract`), the
   hidden state the next layer's streams hold.
-- the KV cache: `glmctl.plugin.dflash2_kv` (stock vLLM cannot lay GLM-5.3-Flash's pool out once
+- the KV cache: `glmctl.plugin.spec_decode.dflash2_kv` (stock vLLM cannot lay GLM-5.3-Flash's pool out once
   a non-MLA layer joins it).
 - on V1 (vLLM CPU): the selector walk in torch in place of the proposer's argmax, so DFlash2
   drafts as DFlash2 and the refusal can be lifted for GLM-5.3-Flash; and the DFlash input
@@ -51,11 +51,11 @@ V1_REFUSAL = "dflash2 drafts"
 
 
 def install(target: Target) -> list[str]:
-    from glmctl.plugin import dflash2_kv
+    from glmctl.plugin.spec_decode import dflash2_kv
 
     installed = [dflash2_kv.install(), _install_aux_hidden_states(), _install_v1_selector_walk()]
     if target is Target.TORCH:
-        from glmctl.plugin.dflash2_cpu import install as install_cpu
+        from glmctl.plugin.platforms.cpu.dflash2_cpu import install as install_cpu
 
         installed.append(install_cpu())
     return installed

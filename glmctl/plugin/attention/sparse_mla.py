@@ -41,8 +41,8 @@ from vllm.v1.attention.backend import (
 )
 
 from glmctl.kernels.layouts import KV_CACHE_DTYPES, KV_FP8, kv_format
-from glmctl.plugin.kernel_table import sparse_mla_kernels
-from glmctl.plugin.sparse_mla_compute import (
+from glmctl.plugin.attention.kernel_table import sparse_mla_kernels
+from glmctl.plugin.attention.sparse_mla_compute import (
     decode_batch_sizes,
     make_decode_setup,
     request_ids_per_token,

@@ -5,7 +5,7 @@ verify step per rank, drafts included) and, for the profiled cell, kernel time p
 iteration (`breakdown.us_per_iteration`, GPU idle inside the span included). The measured step
 beyond that span is CPU-side time between engine iterations; it is kept as its own kind,
 `host_between_steps`, which is not scaled. Records without a profiled cell give cells measured
-whole (`glmctl.plan.node_whole_step` scales them). TTFTs: `prefill_ttft_256k_s` (one prompt on an
+whole (`glmctl.plan.prediction.node_whole_step` scales them). TTFTs: `prefill_ttft_256k_s` (one prompt on an
 idle server) and the largest TTFT of an eight-session long-context cell (the report's queue);
 without the 256k prompt, the longest-context multi-session cell whose every session got a first
 token: the median gap between consecutive first tokens is one prompt's prefill (vLLM prefills
@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from glmctl.errors import ConfigError
-from glmctl.plan.node_records import MeasuredRun, PrefillMeasurement, StepCell
+from glmctl.plan.prediction.node_records import MeasuredRun, PrefillMeasurement, StepCell
 
 QUEUE_MIN_CONTEXT = 200_000
 SINGLE_PROMPT_TOKENS = 256_000  # rank_sim.py's --prefill-256k prompt

@@ -15,7 +15,12 @@ taken as equal on both machines). Every such cell also carries:
 
 from __future__ import annotations
 
-from glmctl.plan.node_records import DeviceFigures, KindLine, WholeStepAssumption, bound_ratio
+from glmctl.plan.prediction.node_records import (
+    DeviceFigures,
+    KindLine,
+    WholeStepAssumption,
+    bound_ratio,
+)
 
 _WHAT = {"bandwidth": "memory bandwidth", "compute_bf16": "bf16 tensor throughput",
          "compute_fp8": "fp8 tensor throughput", "launch": "nothing"}

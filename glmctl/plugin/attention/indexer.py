@@ -26,7 +26,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.sparse_attn_indexer_kpool import SparseAttnIndexerKpool
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
 
-from glmctl.plugin.kernel_table import indexer_kernels
+from glmctl.plugin.attention.kernel_table import indexer_kernels
 
 # Decode top-k rows served by the two-stage (sliced) top-k on CUDA: up to 48 query tokens (12
 # requests x MTP-3 verify); larger decode batches have rows enough to fill the GPU in one pass.

@@ -2,7 +2,7 @@
 
 vLLM CPU rebinds `copy_and_expand_dflash_inputs_kernel` to a C++ version by module name, but
 `DFlashProposer` launches it through the dispatcher `_copy_and_expand_dflash_inputs`, bound at
-import to the Triton kernel (the same issue `glmctl.plugin.cpu_mtp` handles for MTP). The
+import to the Triton kernel (the same issue `glmctl.plugin.platforms.cpu.cpu_mtp` handles for MTP). The
 function here writes what the kernel writes, from the same keyword arguments.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from glmctl.plugin.cpu_mtp import WithoutWarmup
+from glmctl.plugin.platforms.cpu.cpu_mtp import WithoutWarmup
 
 
 def install() -> str:

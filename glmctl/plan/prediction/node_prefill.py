@@ -15,7 +15,7 @@ the report runs them) from the collective model; the rank model runs none.
 from __future__ import annotations
 
 from glmctl.plan.model import ModelSpec
-from glmctl.plan.node_records import (
+from glmctl.plan.prediction.node_records import (
     PREFILL_BOUNDS,
     PREFILL_CONTEXT_LINEAR,
     REPORT_PREFILL_256K_S,

@@ -175,7 +175,7 @@ def _glmctl_ops():
 
 
 def _register_triton_ops() -> None:
-    from glmctl.plugin import mhc_ops
+    from glmctl.plugin.mhc import mhc_ops
 
     mhc_ops.register()
 

@@ -24,7 +24,13 @@ import re
 import torch
 
 from glmctl.errors import ConfigError
-from glmctl.plugin.fp8_selection import ATTENTION_ROWS, KDA_BFG_A, KDA_INPUT, KDA_QKV, site
+from glmctl.plugin.quantization.fp8_selection import (
+    ATTENTION_ROWS,
+    KDA_BFG_A,
+    KDA_INPUT,
+    KDA_QKV,
+    site,
+)
 from glmctl.quantize.fp8 import dequantize_block_fp8
 
 # checkpoint leaf -> the fused module under self_attn that holds it in vLLM

@@ -1,10 +1,10 @@
 """Predict the 8x L40 node's decode and prefill from one rank's step measured on another GPU.
 
-Input (`MeasuredRun`, a JSON file): a per-rank step of the rank model (`glmctl.plan.rank`) measured
+Input (`MeasuredRun`, a JSON file): a per-rank step of the rank model (`glmctl.plan.prediction.rank`) measured
 on a stand-in GPU (the H200), broken down by kind (kind -> µs), with the stand-in's memory
 bandwidth and tensor throughput, for sessions x context cells. A cell that has only a measured
 step time takes the reference breakdown's shares; when no cell has a breakdown, every step is
-scaled whole by a stated assumption with its range (`glmctl.plan.node_whole_step`).
+scaled whole by a stated assumption with its range (`glmctl.plan.prediction.node_whole_step`).
 
 Each kind is scaled by the ratio of the resource that bounds it (`Bound`): memory bandwidth for
 bandwidth-bound kinds (stand-in measured / L40 datasheet), tensor throughput for compute-bound ones,
@@ -29,9 +29,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from glmctl.errors import ConfigError
-from glmctl.plan import node_whole_step as whole
 from glmctl.plan.model import ModelSpec, load_model_spec
-from glmctl.plan.node_records import (
+from glmctl.plan.prediction import node_whole_step as whole
+from glmctl.plan.prediction.node_records import (
     ACCEPTANCE_SOURCE,
     CONTEXT_LABELS,
     DECODE_BOUNDS,
@@ -95,7 +95,7 @@ def load_measured_run(path: str | Path) -> MeasuredRun:
     try:
         run = MeasuredRun.model_validate(json.loads(Path(path).read_text()))
         if run.rank_sim:
-            from glmctl.plan.rank_sim_records import with_rank_sim_records
+            from glmctl.plan.prediction.rank_sim_records import with_rank_sim_records
 
             run = with_rank_sim_records(run, Path(path).parent)
         return run
@@ -105,7 +105,7 @@ def load_measured_run(path: str | Path) -> MeasuredRun:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"{path}: {where}: {first['msg']}",
-                          hint="see glmctl.plan.node_prediction.MeasuredRun for the schema") from exc
+                          hint="see glmctl.plan.prediction.node_prediction.MeasuredRun for the schema") from exc
 
 
 def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: int) -> list[Collective]:
@@ -198,7 +198,7 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
                    "stated)"),
             **extra,
         ))
-    from glmctl.plan.node_prefill import predict_prefill
+    from glmctl.plan.prediction.node_prefill import predict_prefill
 
     prefill = predict_prefill(run, model, target, time_model, short) if run.prefill else []
     notes = [

@@ -1,6 +1,6 @@
 """Where a DFlash2 drafter's KV cache lives in GLM-5.3-Flash's KV pool: pure rules, no vLLM or torch.
 
-The planner (`glmctl.plan.drafter_kv`) and the plugin (`glmctl.plugin.dflash2_kv`) both call these,
+The planner (`glmctl.plan.drafter_kv`) and the plugin (`glmctl.plugin.spec_decode.dflash2_kv`) both call these,
 so `glmctl plan` and vLLM count the same bytes.
 
 GLM-5.3-Flash's pool (vLLM 0.30, `kv_cache_utils._get_kv_cache_groups_glm5_next`): one block is M
