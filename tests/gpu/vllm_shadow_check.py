@@ -183,8 +183,8 @@ def _shadow_q_quant() -> None:
 def _register_instances() -> None:
     import vllm.models.glm5next  # noqa: F401 - before the plugin's indexer module (they import each other)
 
-    from glmctl.plugin.indexer import GlmctlKpoolIndexer
-    from glmctl.plugin.sparse_mla import GlmctlSparseMLAImpl
+    from glmctl.plugin.attention.indexer import GlmctlKpoolIndexer
+    from glmctl.plugin.attention.sparse_mla import GlmctlSparseMLAImpl
 
     for cls, key in ((GlmctlKpoolIndexer, "indexer"), (GlmctlSparseMLAImpl, "mla")):
         stock = cls.__init__
@@ -198,7 +198,7 @@ def _register_instances() -> None:
 
 def _use(kind: str, served: dict) -> None:
     """Kernels for every instance: "served" (as vLLM built them) or "ref" (torch references)."""
-    from glmctl.plugin.kernel_table import indexer_kernels, sparse_mla_kernels
+    from glmctl.plugin.attention.kernel_table import indexer_kernels, sparse_mla_kernels
     from glmctl.plugin.policy import Target
 
     for part in ("indexer", "mla"):
@@ -240,7 +240,7 @@ def main(checkpoint: str, out_path: str, prompts: dict) -> dict:
     _register_instances()
     from vllm import LLM
 
-    from glmctl.plugin.kernel_table import indexer_kernels, sparse_mla_kernels
+    from glmctl.plugin.attention.kernel_table import indexer_kernels, sparse_mla_kernels
     from glmctl.plugin.policy import Target
     from tests.gpu.vllm_lane_runs import cpu_engine_args, gpu_engine_args
 

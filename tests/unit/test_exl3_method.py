@@ -67,7 +67,7 @@ def test_bf16_layers_get_vllms_unquantized_methods_never_none():
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
-    from glmctl.plugin.exl3_config import Exl3ExpertsConfig
+    from glmctl.plugin.quantization.exl3_config import Exl3ExpertsConfig
 
     config = Exl3ExpertsConfig.from_config(_spec())
     linear = object.__new__(LinearBase)  # the type is what the config dispatches on

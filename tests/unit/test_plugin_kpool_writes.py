@@ -21,13 +21,13 @@ def _padded_tail(fill: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_the_cuda_tables_tail_seed_honours_the_page_stride():
-    from glmctl.plugin.env_fixes import serve_pil_image_processors
+    from glmctl.plugin.platforms.cpu.env_fixes import serve_pil_image_processors
 
     serve_pil_image_processors()  # vLLM CPU's model package imports image processors (no torchvision here)
     import vllm.models.glm5next  # noqa: F401 - before the plugin's modules, as vLLM imports them
-
     from glmctl.kernels.kpool_cache_write import kpool_tail_seed_ref
-    from glmctl.plugin.kernel_table import _vllm_kpool_writes
+
+    from glmctl.plugin.attention.kernel_table import _vllm_kpool_writes
 
     _, tail_seed, _ = _vllm_kpool_writes()
     torch.manual_seed(0)
