@@ -158,6 +158,7 @@ def run_cell(server, prompts, sessions: int, context: int, *, decode_budget: int
     out: dict = {"sessions": sessions, "context": context, "decode_budget": decode_budget,
                  "ttft_s": [None if f is None else round(f - t.sent_at, 2) for f, t in zip(firsts, traces, strict=True)],
                  "errors": errors[:2], "stopped_by_client": sum(t.stopped for t in traces),
+                 "metrics_silences": run.metrics_silences[:20],  # (t, s): scrapes the server left unanswered
                  "wall_s": round(time.monotonic() - t_start, 1)}
     if watch.profile_result is not None:
         out["profile"] = watch.profile_result

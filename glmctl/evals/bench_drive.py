@@ -49,6 +49,14 @@ class DriveResult:
     traces: list[SessionTrace]
     samples: list[MetricsSample]
     started: float  # time.monotonic() of t = 0
+    # (t, seconds) of each /metrics scrape that timed out (the run went on; see _poll)
+    metrics_silences: list[tuple[float, float]] = field(default_factory=list)
+
+
+# vLLM's API server can leave /metrics unanswered for tens of seconds while it admits very long
+# prompts (eight 227k-token sessions at once): a scrape that times out is a gap in the samples,
+# not the end of the run, until no scrape has been answered for this long.
+METRICS_SILENCE_S = 300.0
 
 
 async def _session(client: httpx.AsyncClient, trace: SessionTrace, payload: dict, t0: float,
@@ -118,13 +126,25 @@ async def _stream(client: httpx.AsyncClient, trace: SessionTrace, payload: dict,
 
 
 async def _poll(client: httpx.AsyncClient, model: str, interval: float, t0: float, stop: asyncio.Event,
-                samples: list[MetricsSample], timeout: float) -> None:
+                samples: list[MetricsSample], timeout: float,
+                silences: list[tuple[float, float]] | None = None,
+                silence_limit: float = METRICS_SILENCE_S) -> None:
+    answered = time.monotonic()
     while True:
         sent = time.monotonic()
         try:
             response = await asyncio.wait_for(client.get("/metrics"), timeout)
         except TimeoutError as exc:
-            raise ServerUnreachable(f"/metrics did not answer within {timeout:g} s during the bench") from exc
+            if silences is not None:
+                silences.append((round(sent - t0, 2), round(time.monotonic() - sent, 2)))
+            quiet = time.monotonic() - answered
+            if silences is None or quiet >= silence_limit:
+                raise ServerUnreachable(f"/metrics did not answer within {timeout:g} s during the bench"
+                                        + (f" (nothing for {quiet:.0f} s)" if silences is not None else "")) from exc
+            if stop.is_set():
+                return
+            continue
+        answered = time.monotonic()
         mid = (sent + time.monotonic()) / 2 - t0
         if response.status_code >= 400:
             raise ServerError(f"/metrics answered HTTP {response.status_code} during the bench")
@@ -148,9 +168,11 @@ async def _drive(base_url: str, headers: dict, model: str, prompts: list[list[in
                                  timeout=httpx.Timeout(timeout, connect=connect)) as client:
         t0 = time.monotonic()
         samples: list[MetricsSample] = []
+        silences: list[tuple[float, float]] = []
         stop = asyncio.Event()
         scrape_limit = min(30.0, timeout or 30.0)
-        poller = asyncio.create_task(_poll(client, model, poll_interval, t0, stop, samples, scrape_limit))
+        poller = asyncio.create_task(_poll(client, model, poll_interval, t0, stop, samples, scrape_limit,
+                                           silences))
         traces = [SessionTrace(index=i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
         sessions = [
             asyncio.create_task(_session(client, trace, {
@@ -177,7 +199,7 @@ async def _drive(base_url: str, headers: dict, model: str, prompts: list[list[in
         if refused:
             raise AuthError(f"{base_url}/v1/completions answered HTTP {refused[0]} to the bench's sessions",
                             hint=auth_hint(api_key))
-        return DriveResult(traces, samples, t0)
+        return DriveResult(traces, samples, t0, silences)
 
 
 def drive(server, prompts: list[list[int]], output_tokens: int, *, poll_interval: float = 0.5,

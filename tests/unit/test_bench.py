@@ -170,3 +170,47 @@ def test_cli_sweep_json_table_and_baseline(run_cli, tmp_path, served):
     assert "steady-state decode, tok/s" in human.stdout and "vs baseline" in human.stdout
     no_sweep = run_cli("bench", "--url", url, "--sessions", "1,2")
     assert no_sweep.returncode == 2 and "--sweep" in no_sweep.stderr
+
+
+def _stalling_client(stalls: int, stall_s: float):
+    """An httpx-like client whose first `stalls` GETs of /metrics never answer in time."""
+    import asyncio
+
+    class Response:
+        status_code = 200
+        text = FakeEngine(model="m").metrics_text()
+
+    class Client:
+        calls = 0
+
+        async def get(self, path):
+            Client.calls += 1
+            if Client.calls <= stalls:
+                await asyncio.sleep(stall_s)
+            return Response()
+
+    return Client()
+
+
+def test_metrics_scrapes_that_time_out_are_gaps_until_the_silence_limit():
+    """vLLM's API server left /metrics unanswered for over 30 s while eight 227k-token prompts were
+    admitted (the rank simulation on the H200): a timed-out scrape is a recorded gap and the run
+    goes on; only a silence longer than the limit ends it."""
+    import asyncio
+
+    from glmctl.evals import bench_drive
+    from glmctl.evals.client import ServerUnreachable
+
+    async def run(stalls: int, limit: float):
+        samples, silences, stop = [], [], asyncio.Event()
+        task = asyncio.create_task(bench_drive._poll(_stalling_client(stalls, 1.0), "m", 0.01, 0.0, stop, samples,
+                                                     0.05, silences, silence_limit=limit))
+        await asyncio.sleep(0.3)
+        stop.set()
+        await task
+        return samples, silences
+
+    samples, silences = asyncio.run(run(stalls=2, limit=10.0))
+    assert len(silences) == 2 and all(s >= 0.05 for _, s in silences) and samples
+    with pytest.raises(ServerUnreachable, match="nothing for"):
+        asyncio.run(run(stalls=100, limit=0.1))
