@@ -114,6 +114,7 @@ class FleetLaunch:
         return {
             "profile": self.profile.name,
             "router": {
+                "listen": f"{self.router.host}:{self.router.port}",
                 "url": self.router.url,
                 "version": VERSION,
                 "policy": POLICY,
@@ -153,7 +154,9 @@ class FleetFiles:
     nodes: list[launch_files.RenderedFiles]
 
 
-def write_fleet(fleet: FleetLaunch, out_dir: Path) -> FleetFiles:
+def write_router_files(fleet: FleetLaunch, out_dir: Path) -> FleetFiles:
+    """fleet.yaml and the router's files (the nodes' are written by `write_fleet`, or by the
+    servers `glmctl fleet up` starts)."""
     import yaml
 
     out_dir = Path(out_dir).absolute()
@@ -162,14 +165,20 @@ def write_fleet(fleet: FleetLaunch, out_dir: Path) -> FleetFiles:
         router_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create {router_dir}: {exc.strerror or exc}", hint="choose another --out") from exc
-    nodes = [launch_files.write(launch, out_dir / NODES_DIR / node.dir_name)
-             for node, launch in zip(fleet.nodes, fleet.launches, strict=True)]
     files = FleetFiles(fleet=out_dir / FLEET_NAME, router_command=router_dir / ROUTER_COMMAND,
-                       router_env=router_dir / ROUTER_ENV, nodes=nodes)
+                       router_env=router_dir / ROUTER_ENV, nodes=[])
     header = f"# glmctl fleet: vllm-router {VERSION} in front of {len(fleet.nodes)} node(s).\n"
     launch_files.write_text_files({
         files.router_command: (fleet.router_script(), 0o755),
         files.router_env: (fleet.router_env_file(), 0o600),
         files.fleet: (header + yaml.safe_dump(fleet.document(), sort_keys=False), 0o644),
     })
+    return files
+
+
+def write_fleet(fleet: FleetLaunch, out_dir: Path) -> FleetFiles:
+    """Every file of the fleet under `out_dir` (see the module doc)."""
+    files = write_router_files(fleet, out_dir)
+    files.nodes = [launch_files.write(launch, Path(out_dir).absolute() / NODES_DIR / node.dir_name)
+                   for node, launch in zip(fleet.nodes, fleet.launches, strict=True)]
     return files
