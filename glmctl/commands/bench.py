@@ -136,6 +136,9 @@ def _render(console, r, out: Path | None) -> None:
                           f"preemptions {c.preemptions}")
         else:
             console.print(f"  [yellow]no steady window[/yellow]: {e(c.no_steady_reason or '')}")
+        for url, t in c.lost_nodes.items():
+            console.print(f"  [yellow]node {e(url)} stopped answering /metrics at {t:.1f} s[/yellow] "
+                          "(the counters after that are the other nodes')")
         console.print(f"  averaged output {c.averaged_output_tok_s:.1f} tok/s over {c.wall_s:.1f} s "
                       "[dim](prefill and drain included: what `vllm bench serve` reports)[/dim]")
         table = Table(header_style="bold", show_edge=False)

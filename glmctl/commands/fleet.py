@@ -101,7 +101,7 @@ def up(
 ) -> None:
     """Start K servers of a CPU profile and vllm-router in front of them, on this machine; Ctrl-C stops them all.
 
-    For tests and demos. Ready when every node and the router answer /health; then prints the router's endpoint. A node that dies is reported and routed around while another is left. Exit 0 when stopped by Ctrl-C/SIGTERM with every node serving, 1 when a node or the router was lost or did not start, 2 for a profile or option to change.
+    For tests and demos. Ready when every node and the router answer /health; then prints the router's endpoint. A node that dies is reported and routed around while another is left. Exit 0 when stopped by Ctrl-C/SIGTERM with every node serving, 1 when a node or the router was lost or did not start, 2 for a profile or option to change, 130 when stopped before the fleet was ready.
     """
     from glmctl._cli.output import Output
     from glmctl.fleet.local_fleet import prepare_fleet, run_fleet

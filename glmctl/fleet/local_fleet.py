@@ -145,14 +145,14 @@ class LocalFleet:
         self.router_process.wait_healthy(self.router.url, timeout_s, should_stop=should_stop)
 
     def dead_nodes(self) -> list[tuple[int, int]]:
-        """(index, exit status) of each node whose server has exited and was not reported yet."""
+        """(index, exit status) of each node whose server has exited and was not reported yet; what
+        the server process left of its group (an engine core, workers) is stopped too."""
         out = []
         for i, server in enumerate(self.servers):
             if i in self.lost or server.process is None:
                 continue
-            code = server.process.poll()
-            if code is not None:
-                self.lost[i] = server.process.wait()
+            if server.process.poll() is not None:
+                self.lost[i] = server.stop(grace_s=0) or 0
                 out.append((i, self.lost[i]))
         return out
 
@@ -225,8 +225,9 @@ def run_fleet(
 ) -> int:
     """Start `fleet` and hold it until SIGINT/SIGTERM, the router's death or the last node's.
 
-    Returns 0 when it was stopped by a signal with every node still serving, 1 otherwise (a node
-    or the router was lost). `on_lost(index, status, fleet_goes_on)` reports a node that exited.
+    Returns 0 when it was stopped by a signal with every node still serving, 1 when a node was lost,
+    130 when the signal came before the fleet was ready; raises FleetError (or the start-up's
+    error) when it cannot run. `on_lost(index, status, fleet_goes_on)` reports a node that exited.
     """
     received: list[int] = []
 
@@ -256,6 +257,8 @@ def run_fleet(
         if info is not None and len(fleet.lost) == len(fleet.servers):
             raise FleetError(f"every node of the fleet exited ({len(fleet.servers)}); the router is stopped",
                              hint=f"each node's vllm.log is under {fleet.run_dir / 'nodes'}")
+        if info is None:
+            return 130  # interrupted before the fleet was ready
         return 0 if not fleet.lost else 1
     finally:
         fleet.stop(signal.SIGTERM, grace_s=5)  # idempotent: nothing outlives the supervisor
