@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from glmctl.errors import DependencyError, GlmctlError
+from glmctl.serving.launch_files import local_url
 
 VERSION = "0.1.17"
 POLICY = "sticky_least_loaded"
@@ -64,13 +65,11 @@ class RouterSettings:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return local_url(self.host, self.port)
 
     @property
     def metrics_url(self) -> str:
-        host = "127.0.0.1" if self.metrics_host in ("0.0.0.0", "", "::") else self.metrics_host
-        return f"http://{host}:{self.metrics_port}/metrics"
+        return local_url(self.metrics_host, self.metrics_port) + "/metrics"
 
     def argv(self, node_urls: list[str], command: list[str] | None = None) -> list[str]:
         """The router's command line; `command` replaces the `vllm-router` script (see router_entry)."""

@@ -55,6 +55,13 @@ def holds_secret(value: Any) -> bool:
     return masked(value) != value
 
 
+def local_url(host: str, port: int) -> str:
+    """http://HOST:PORT as a client on this machine reaches a server listening there (a server on
+    every interface answers on the loopback address)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"http://{host}:{port}"
+
+
 @dataclass
 class RenderedLaunch:
     """Everything needed to start vLLM for one profile, as data."""
@@ -69,8 +76,7 @@ class RenderedLaunch:
 
     @property
     def base_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return local_url(self.host, self.port)
 
     @property
     def model_dir(self) -> Path:

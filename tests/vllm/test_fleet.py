@@ -21,6 +21,7 @@ import pytest
 
 from glmctl.serving import server as srv
 from tests.conftest import REPO
+from tests.vllm.held_process import group_gone, profile_file, read_ready
 
 pytestmark = pytest.mark.vllm
 
@@ -60,38 +61,19 @@ def _no_failed_session(proc) -> None:
         proc.stderr
 
 
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_fleet_of_two_keeps_sessions_on_their_node_and_fails_over(tiny_launch_target, tmp_path):
     kind, ckpt = tiny_launch_target
-    profile = tmp_path / "fleet-node.yaml"
-    profile.write_text(f"extends: tiny-cpu\nmodel:\n  served_name: {'tiny-llama' if kind == 'llama' else 'tiny'}\n"
-                       "vllm_args:\n  enable-log-requests: true\n  max-log-len: 8\n")
+    profile = profile_file(tmp_path, kind, "vllm_args:\n  enable-log-requests: true\n  max-log-len: 8\n",
+                           name="fleet-node.yaml")
     env = {**os.environ, "GLMCTL_CACHE": str(tmp_path / "cache")}
     started = time.monotonic()
-    up = subprocess.Popen([sys.executable, "-m", "glmctl", "fleet", "up", "--profile", str(profile), "--model",
+    up = subprocess.Popen([sys.executable, "-m", "glmctl", "fleet", "up", "--profile", profile, "--model",
                            str(ckpt), "--nodes", "2", "--port", str(srv.free_port()), "--startup-timeout", "600",
                            "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                           text=True, cwd=REPO, env=env)
     groups: list[int] = []
     try:
-        text, ready = "", None
-        while ready is None and time.monotonic() - started < 660:
-            line = up.stdout.readline()
-            if not line:
-                break  # fleet up exited before the fleet was ready
-            text += line
-            try:
-                ready = json.loads(text)
-            except ValueError:
-                continue
-        assert ready is not None, up.stderr.read() if up.poll() is not None else "no ready document"
+        ready = read_ready(up, 660)
         router = ready["router"]["url"]
         nodes = ready["nodes"]
         groups = [ready["router"]["pid"], *(n["pid"] for n in nodes)]
@@ -179,5 +161,5 @@ def test_fleet_of_two_keeps_sessions_on_their_node_and_fails_over(tiny_launch_ta
         stderr = up.stderr.read()
     assert code == 1, stderr  # a node was lost during the run
     assert "node 2 (" in stderr and "exited with status 137" in stderr, stderr
-    assert all(_group_gone(pgid) for pgid in groups), "a node or the router outlived glmctl fleet up"
+    assert all(group_gone(pgid) for pgid in groups), "a node or the router outlived glmctl fleet up"
     print(f"fleet test wall time {time.monotonic() - started:.0f} s")
