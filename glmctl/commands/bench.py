@@ -56,7 +56,7 @@ def bench(
 
     Steady decode is the rate of vllm:generation_tokens_total while all N sessions decode and nothing else happens (no waiting request, no prefill, no preemption), checked against the tokens the clients counted in the same window.
 
-    Every request carries its session's id in the X-Session-ID header (vllm-router's session key: behind `glmctl fleet` a session's turns stay on one node) and X-Request-Id SESSION-tTURN (vLLM's request id). Behind vllm-router the counters are summed over the nodes it lists. With --turns, the steady window lies in the first turn.
+    Every request carries its session's id in the X-Session-ID header (vllm-router's session key: behind `glmctl fleet` a session's turns stay on one node) and X-Request-Id SESSION-tTURN (vLLM's request id). Behind vllm-router the counters are summed over the nodes it routes to. With --turns, the steady window lies in the first turn.
 
     Exit 0 only when every cell measured steady decode; 1 when a session failed (each failed session is named; nothing is written), no cell measured it (nothing is written), or some cells did not (the result is written, each such cell with its reason).
     """

@@ -307,11 +307,14 @@ def _check_fits(server: OpenAIServer, context: int, output_tokens: int, turns: i
 
 
 def fleet_nodes(server: OpenAIServer) -> list[str] | None:
-    """The nodes behind `server` when it is a vllm-router (their /metrics are summed), else None."""
+    """The nodes behind `server` when it is a vllm-router, else None: those it routes to (a node it
+    has taken out gets no session), whose /metrics are summed."""
     from glmctl.fleet.router import router_workers
 
     workers = router_workers(server.base_url, headers=server.headers)
-    return [w.url for w in workers] if workers else None
+    if not workers:
+        return None
+    return [w.url for w in workers if w.healthy] or [w.url for w in workers]
 
 
 def run_cell(server: OpenAIServer, prompts: PromptSource, *, sessions: int, context: int, output_tokens: int,
