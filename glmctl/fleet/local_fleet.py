@@ -35,6 +35,7 @@ from glmctl.hub.licenses import License
 from glmctl.serving import launch_files, profiles
 from glmctl.serving import server as srv
 from glmctl.serving.launch import VllmProcess
+from glmctl.serving.preflight import port_problem
 from glmctl.serving.schema import Profile
 
 ROUTER_LOG = "router.log"
@@ -202,6 +203,9 @@ def prepare_fleet(
     supervised_command()  # vllm-router installed? (a DependencyError naming the extra)
     host = launch_files.DEFAULT_HOST
     router_port = port or srv.free_port(host)
+    for flag, wanted in (("--port", router_port), ("--metrics-port", metrics_port)):
+        if wanted and (problem := port_problem(host, wanted)):
+            raise UsageError(f"the router cannot listen: {problem}", hint=f"pass another {flag}")
     [metrics] = [metrics_port] if metrics_port else _distinct_free_ports(1, {router_port})
     node_ports = _distinct_free_ports(nodes, {router_port, metrics})
     prof = launch_files.with_paths(prof, model=model, drafter=drafter)

@@ -118,9 +118,18 @@ def test_render_refuses_bad_node_lists(capsys, tmp_path, nodes, said):
     assert run.code == 2 and said in run.err, run.err
 
 
-def test_fleet_up_refuses_a_gpu_profile(capsys, tmp_path):
+def test_fleet_up_refuses_a_gpu_profile_and_a_taken_port(capsys, tmp_path):
+    import socket
+
     run = run_glmctl(capsys, "fleet", "up", "--profile", "commercial", "--model", tmp_path, "--nodes", "2")
     assert run.code == 2 and "fleet render" in run.err, run.err
+    pytest.importorskip("vllm_router")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = run_glmctl(capsys, "fleet", "up", "--profile", "tiny-cpu", "--model", tmp_path, "--port", str(port))
+    assert run.code == 2 and f"port {port} on 127.0.0.1 is already in use" in run.err and "--port" in run.err
 
 
 # -- the real vllm-router in front of fake servers --------------------------------------------------
