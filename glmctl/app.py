@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from glmctl import __version__
-from glmctl.commands import bench, doctor, fetch, plan, profile, quantize, serve, testing
+from glmctl.commands import bench, doctor, fetch, fleet, plan, profile, quantize, serve, testing
 from glmctl.commands import eval as eval_commands
 
 app = typer.Typer(
@@ -34,6 +34,7 @@ REGISTRY = [
     ("plan", plan.plan),
     ("profile", profile.app),
     ("serve", serve.serve),
+    ("fleet", fleet.app),
     ("eval", eval_commands.app),
     ("bench", bench.bench),
     ("testing", testing.app),

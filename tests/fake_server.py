@@ -39,6 +39,7 @@ FAULTS = {
     "clamped": "prompt log-probabilities of -9999 (vLLM's clamp of -inf)",
     "half": "every second request answers HTTP 500 (streams: every second session)",
     "empty": "a stream that ends without a token",
+    "cut": "a stream that stops halfway, without its finish reason (as when the server dies)",
 }
 
 
@@ -65,10 +66,12 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.prefill_lock = threading.Lock()
         self.slots = threading.Semaphore(max_num_seqs)
-        self.counters = {"vllm:generation_tokens": 0, "vllm:prompt_tokens": 0, "vllm:num_preemptions": 0}
+        self.counters = {"vllm:generation_tokens": 0, "vllm:prompt_tokens": 0, "vllm:num_preemptions": 0,
+                         "vllm:request_success": 0}
         self.running = 0
         self.waiting = 0
         self.requests: list[dict] = []  # every JSON body received, for tests to inspect
+        self.request_headers: list[dict] = []  # the headers of each, in the same order
         self.faults = dict(faults or {})
         unknown = set(self.faults.values()) - set(FAULTS)
         if unknown:
@@ -126,6 +129,8 @@ class FakeEngine:
                 with self.lock:
                     self.counters["vllm:generation_tokens"] += 1
                 yield i
+            with self.lock:
+                self.counters["vllm:request_success"] += 1
         finally:
             with self.lock:
                 self.running -= 1
@@ -217,7 +222,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         e = self.engine
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        e.requests.append({"path": self.path, **body})
+        with e.lock:
+            e.requests.append({"path": self.path, **body})
+            e.request_headers.append({k.lower(): v for k, v in self.headers.items()})
         stream_fault = body.get("stream") and "stream" in e.faults
         if self._misbehave("stream" if stream_fault else self.path):
             return
@@ -269,9 +276,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
-        if self.engine.faults.get("stream") == "empty":
+        fault = self.engine.faults.get("stream")
+        if fault == "empty":
             max_tokens = 0
         for i in self.engine.generate(len(ids), max_tokens):
+            if fault == "cut" and i == max_tokens // 2:
+                self.close_connection = True
+                return
             last = i == max_tokens - 1
             choice = {"index": 0, "text": "x", "finish_reason": "length" if last else None}
             if body.get("return_token_ids"):

@@ -36,7 +36,10 @@ def bench(
     context: Annotated[str | None, typer.Option(
         help="Prompt tokens per session, k = 1,000 (default 22k; with --sweep a list, default the "
              "report's 22k,64k,128k,240k that fit).")] = None,
-    output_tokens: Annotated[int, typer.Option(min=2, help="Tokens each session generates (EOS ignored).")] = 512,
+    output_tokens: Annotated[int, typer.Option(min=2, help="Tokens each session generates a turn (EOS ignored).")] = 512,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per session: each later turn resends the conversation "
+                                       "so far plus --turn-tokens new ones (a coding session's shape).")] = 1,
+    turn_tokens: Annotated[int, typer.Option(min=1, help="New prompt tokens each later turn adds.")] = 256,
     prompts: Annotated[Path | None, typer.Option(
         help="A directory of real prompts (text files), cycled to the context length.")] = None,
     sweep: Annotated[bool, typer.Option(help="Run every sessions x context cell; print the scaling table.")] = False,
@@ -53,7 +56,9 @@ def bench(
 
     Steady decode is the rate of vllm:generation_tokens_total while all N sessions decode and nothing else happens (no waiting request, no prefill, no preemption), checked against the tokens the clients counted in the same window.
 
-    Exit 0 only when every cell measured steady decode; 1 when a session failed (nothing is written), no cell measured it (nothing is written), or some cells did not (the result is written, each such cell with its reason).
+    Every request carries its session's id in the X-Session-ID header (vllm-router's session key: behind `glmctl fleet` a session's turns stay on one node) and X-Request-Id SESSION-tTURN (vLLM's request id). Behind vllm-router the counters are summed over the nodes it routes to. With --turns, the steady window lies in the first turn.
+
+    Exit 0 only when every cell measured steady decode; 1 when a session failed (each failed session is named; nothing is written), no cell measured it (nothing is written), or some cells did not (the result is written, each such cell with its reason).
     """
     from glmctl._cli.output import Output
     from glmctl.errors import UsageError
@@ -81,16 +86,17 @@ def bench(
         prompt_source = b.PromptSource(tokenizer, source, prompt_files)
         if sweep:
             session_list = session_list or list(b.SWEEP_SESSIONS)
-            context_list = context_list or b.sweep_contexts(server, output_tokens)
+            context_list = context_list or b.sweep_contexts(server, output_tokens, turns, turn_tokens)
         session_list, context_list = session_list or [8], context_list or [22_000]
         task = bar.add_task("bench", total=None)
 
         def on_cell(n: int, ctx: int) -> None:
-            bar.update(task, description=f"{n} x {ctx:,} tokens", completed=0, total=n * output_tokens)
+            bar.update(task, description=f"{n} x {ctx:,} tokens", completed=0, total=n * output_tokens * turns)
 
         result = b.run_bench(server, tokenizer, prompt_source, sessions=session_list, contexts=context_list,
                              output_tokens=output_tokens, poll_interval=poll_interval, on_cell=on_cell,
-                             on_tokens=lambda n: bar.advance(task, n))
+                             on_tokens=lambda n: bar.advance(task, n), turns=turns,
+                             turn_tokens=turn_tokens if turns > 1 else 0)
     if base is not None:
         result.comparison, result.baseline_file = b.compare(result, base), str(baseline)
     if out is not None:
@@ -113,9 +119,14 @@ def _render(console, r, out: Path | None) -> None:
     from rich.table import Table
 
     console.print(f"[bold]Bench[/bold]: {e(r.server.model)} at {e(r.server.url)}; prompts: {e(r.prompt_source)}")
+    if r.nodes:
+        console.print(f"behind vllm-router: {len(r.nodes)} node(s), counters summed over "
+                      f"{e(', '.join(r.nodes))}")
     for c in r.cells:
+        turns = (f" in {c.turns} turns (each later turn adds {c.turn_tokens:,} prompt tokens; the steady window "
+                 "is in the first)") if c.turns > 1 else ""
         console.print(f"\n[bold]{c.sessions} session(s) x {c.context_tokens:,} prompt tokens[/bold], "
-                      f"{c.output_tokens} output tokens each (EOS ignored)")
+                      f"{c.output_tokens} output tokens each{turns} (EOS ignored)")
         if c.steady is not None:
             s = c.steady
             console.print(f"  steady decode: [bold]{s.decode_tok_s:.1f} tok/s[/bold] "
@@ -125,14 +136,20 @@ def _render(console, r, out: Path | None) -> None:
                           f"preemptions {c.preemptions}")
         else:
             console.print(f"  [yellow]no steady window[/yellow]: {e(c.no_steady_reason or '')}")
+        for url, t in c.lost_nodes.items():
+            console.print(f"  [yellow]node {e(url)} stopped answering /metrics at {t:.1f} s[/yellow] "
+                          "(the counters after that are the other nodes')")
         console.print(f"  averaged output {c.averaged_output_tok_s:.1f} tok/s over {c.wall_s:.1f} s "
                       "[dim](prefill and drain included: what `vllm bench serve` reports)[/dim]")
         table = Table(header_style="bold", show_edge=False)
-        for col in ("session", "TTFT s", "tokens", "decode tok/s", "in window tok/s", "end"):
+        columns = ["session", "TTFT s", *(["later turns' TTFT s"] if c.turns > 1 else []), "tokens",
+                   "decode tok/s", "in window tok/s", "end"]
+        for col in columns:
             table.add_column(col, justify="right")
         for d in sorted(c.sessions_detail, key=lambda d: (d.ttft_s is None, d.ttft_s)):
-            table.add_row(str(d.index + 1), _fmt(d.ttft_s, ".2f"), str(d.output_tokens), _fmt(d.decode_tok_s),
-                          _fmt(d.window_tok_s), e(d.error or d.finish_reason or ""))
+            later = [", ".join(f"{t:.2f}" for t in d.turn_ttft_s[1:]) or "—"] if c.turns > 1 else []
+            table.add_row(str(d.index + 1), _fmt(d.ttft_s, ".2f"), *later, str(d.output_tokens),
+                          _fmt(d.decode_tok_s), _fmt(d.window_tok_s), e(d.error or d.finish_reason or ""))
         console.print(table)
     if len(r.cells) > 1:
         console.print()
@@ -170,4 +187,5 @@ bench.epilog = examples(
     "glmctl bench --url http://127.0.0.1:8000 --sessions 8 --context 64k --out bench-64k.json",
     "glmctl bench --url http://127.0.0.1:8000 --sweep --sessions 1,4,8 --context 22k,64k,240k",
     "glmctl bench --url http://127.0.0.1:8000 --prompts ~/agent-prompts --context 128k --baseline bench-64k.json",
+    "glmctl bench --url http://router:8000 --sessions 16 --context 64k --turns 4 --output-tokens 256",
 )

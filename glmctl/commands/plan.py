@@ -40,6 +40,11 @@ def plan(
         float | None, typer.Option("--kv-cache-gib", help="Fixed KV space per device in GiB (vLLM's "
                                    "--kv-cache-memory-bytes); skips the utilization budget.", rich_help_panel=_NODE)
     ] = None,
+    nodes: Annotated[
+        int | None, typer.Option("--nodes", min=1, help="Nodes like this one behind vllm-router (glmctl fleet): "
+                                 "sessions per node and in all, KV tokens per node, what one node's loss leaves.",
+                                 rich_help_panel=_NODE)
+    ] = None,
     tp: Annotated[int | None, typer.Option("--tp", min=1, help="Tensor-parallel size (default: all GPUs; 1 on CPU).",
                                            rich_help_panel=_SETUP)] = None,
     experts: Annotated[str | None, _fmt_opt("--experts", "routed experts", exl3=True)] = None,
@@ -107,12 +112,18 @@ def plan(
 
     Page sizes, block size, block count and KV tokens follow vLLM 0.30's own rules exactly; weights
     follow the module shapes; reserves are vLLM's rules plus stated estimates and node constants.
+    With --nodes N: the same node N times behind vllm-router (glmctl fleet), each session on one node; the fleet's sessions and KV tokens, and what the loss of one node leaves.
     Exit code 1 when the setup does not fit (the plan is still printed), 2 for bad options.
     """
     from glmctl._cli.output import Output
     from glmctl.plan import plan_tables
 
     out = Output.from_flags(json_)
+    if nodes is not None and (reproduce_report or predict is not None):
+        from glmctl.errors import UsageError
+
+        raise UsageError("--nodes plans a fleet of the node the other options describe; it does not combine "
+                         "with --reproduce-report or --predict")
     if reproduce_report:
         from glmctl.plan.field_report import reproduce_report as reproduce
 
@@ -156,7 +167,13 @@ def plan(
         block_size=block_size,
     )
     result = plan_capacity(spec, node, setup)
-    out.result(result, render=lambda console: plan_tables.render_plan(result, console))
+    if nodes is not None:
+        from glmctl.plan.fleet_capacity import plan_fleet
+
+        fleet = plan_fleet(result, nodes)
+        out.result(fleet, render=lambda console: plan_tables.render_fleet(fleet, console))
+    else:
+        out.result(result, render=lambda console: plan_tables.render_plan(result, console))
     if not result.fits:
         out.warn(result.reason or "does not fit")
         raise typer.Exit(1)
@@ -190,6 +207,7 @@ plan.epilog = examples(
     "glmctl plan --gpus 8xL40",
     "glmctl plan --gpus 8xL40 --kv-cache-dtype fp8 --speculative mtp:3 --kda fp8 --experts exl3:4 --max-num-seqs 8",
     "glmctl plan --model out/tiny-glm --cpu --block-size 1024 --json",
+    "glmctl plan --gpus 8xL40 --kv-cache-dtype fp8 --speculative mtp:3 --experts exl3:4 --max-num-seqs 8 --nodes 4",
     "glmctl plan --reproduce-report",
     "glmctl plan --predict bench/results/rank-sim-h200.json",
 )

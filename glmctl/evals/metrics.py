@@ -10,6 +10,10 @@ model over engines (data parallel), as vLLM's own bench does for its spec-decode
     vllm:num_requests_running      gauge    requests scheduled (decoding, or in a chunked prefill)
     vllm:num_requests_waiting      gauge    requests queued
     vllm:kv_cache_usage_perc       gauge    fraction of KV blocks in use, 0..1
+    vllm:request_success_total     counter  requests finished (one series per finish reason)
+
+Behind vllm-router, whose own /metrics forwards one node's, a sample is taken from every node and
+summed (`combine`): the counters and request gauges add up, KV usage is the mean over the nodes.
 
 The prompt counter moves only when a prefill finishes, and a request in the middle of a chunked
 prefill already counts as running. So the server's counters alone cannot tell "all decoding" from
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from glmctl.evals.client import ServerError
+from glmctl.evals.client import QUICK_TIMEOUT_S, ServerError, ServerUnreachable
 
 GENERATION = "vllm:generation_tokens"
 PROMPT = "vllm:prompt_tokens"
@@ -33,6 +37,7 @@ PREEMPTIONS = "vllm:num_preemptions"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+FINISHED = "vllm:request_success"
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class MetricsSample:
     running: float
     waiting: float
     kv_usage: float  # fraction 0..1 (the mean over engines)
+    requests_finished: float = 0.0
 
 
 def parse_metrics(text: str, model: str | None = None, t: float = 0.0) -> MetricsSample:
@@ -61,7 +67,7 @@ def parse_metrics(text: str, model: str | None = None, t: float = 0.0) -> Metric
         base = s.name[: -len("_total")] if s.name.endswith("_total") else s.name
         if base in (GENERATION, PROMPT, PREEMPTIONS, RUNNING, WAITING, KV_USAGE) and not math.isfinite(s.value):
             raise ServerError(f"/metrics reports {s.name} = {s.value}: the server's counters are broken")
-        if base in (GENERATION, PROMPT, PREEMPTIONS, RUNNING, WAITING) and not s.name.endswith("_created"):
+        if base in (GENERATION, PROMPT, PREEMPTIONS, RUNNING, WAITING, FINISHED) and not s.name.endswith("_created"):
             sums[base] = sums.get(base, 0.0) + float(s.value)
         elif s.name == KV_USAGE:
             kv.append(float(s.value))
@@ -71,7 +77,18 @@ def parse_metrics(text: str, model: str | None = None, t: float = 0.0) -> Metric
                           hint="bench reads vLLM's Prometheus counters: serve with vLLM (metrics are on by default)")
     return MetricsSample(t=t, generation_tokens=sums[GENERATION], prompt_tokens=sums.get(PROMPT, 0.0),
                          preemptions=sums.get(PREEMPTIONS, 0.0), running=sums.get(RUNNING, 0.0),
-                         waiting=sums.get(WAITING, 0.0), kv_usage=sum(kv) / len(kv) if kv else 0.0)
+                         waiting=sums.get(WAITING, 0.0), kv_usage=sum(kv) / len(kv) if kv else 0.0,
+                         requests_finished=sums.get(FINISHED, 0.0))
+
+
+def combine(samples: list[MetricsSample], t: float) -> MetricsSample:
+    """One sample of several nodes (a fleet behind a router): sums, and the mean KV usage."""
+    return MetricsSample(t=t, generation_tokens=sum(s.generation_tokens for s in samples),
+                         prompt_tokens=sum(s.prompt_tokens for s in samples),
+                         preemptions=sum(s.preemptions for s in samples), running=sum(s.running for s in samples),
+                         waiting=sum(s.waiting for s in samples),
+                         kv_usage=sum(s.kv_usage for s in samples) / len(samples),
+                         requests_finished=sum(s.requests_finished for s in samples))
 
 
 @dataclass(frozen=True)
@@ -124,9 +141,25 @@ def _qualifies(s: MetricsSample, running: float, after: float, before: float) ->
     return s.running == running and s.waiting == 0 and after <= s.t <= before
 
 
-def scrape(server, t0: float) -> MetricsSample:
-    """A synchronous scrape (for a sample before and after a run)."""
+def scrape(server, t0: float, nodes: list[str] | None = None) -> MetricsSample:
+    """A synchronous scrape (for a sample before and after a run). `nodes`: the base URLs of the
+    nodes behind a router, each scraped and the answers combined; one that does not answer is left
+    out (the bench reports its sessions), none answering is an error."""
     sent = time.monotonic()
-    text = server.metrics_text()
-    mid = (sent + time.monotonic()) / 2 - t0
-    return parse_metrics(text, server.model_id, mid)
+    if not nodes:
+        text = server.metrics_text()
+        return parse_metrics(text, server.model_id, (sent + time.monotonic()) / 2 - t0)
+    import httpx
+
+    answered = []
+    for node in nodes:
+        try:
+            response = httpx.get(f"{node}/metrics", headers=server.headers, timeout=QUICK_TIMEOUT_S)
+        except httpx.HTTPError:
+            continue
+        if response.status_code == 200:
+            answered.append(parse_metrics(response.text, server.model_id))
+    if not answered:
+        raise ServerUnreachable(f"none of the {len(nodes)} node(s) behind {server.base_url} answers /metrics",
+                                hint="glmctl fleet status --url " + server.base_url + " shows each node")
+    return combine(answered, (sent + time.monotonic()) / 2 - t0)

@@ -9,8 +9,14 @@ the client-counted rate in the same window (a cross-check), KV usage, preemption
 throughput for comparison with other tools.
 
 Prompts are unique per session from their first token (a session header), so prefix caching cannot
-share anything; the body is source text (the stdlib slice, or `--prompts DIR` of real prompts, cycled
-to length), sent as token IDs so each prompt has exactly the requested number of tokens.
+share anything between sessions; the body is source text (the stdlib slice, or `--prompts DIR` of
+real prompts, cycled to length), sent as token IDs so each prompt has exactly the requested number
+of tokens. With `turns` > 1 each session is a conversation: every later turn resends the turn
+before it (prompt and output) plus `turn_tokens` new tokens, so a server with prefix caching (and a
+router that keeps the session on one node) reuses the prefix; the steady window is then measured in
+the first turn, where all sessions decode together, and each turn's time to first token is kept.
+
+Behind vllm-router (`glmctl fleet`) the counters come from every node's /metrics, summed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from glmctl.errors import GlmctlError, UsageError
-from glmctl.evals.bench_drive import DriveResult, drive
+from glmctl.evals.bench_drive import DriveResult, SessionPlan, drive
 from glmctl.evals.client import OpenAIServer
 from glmctl.evals.corpus import SourceText
 from glmctl.evals.metrics import scrape, steady_window
@@ -37,7 +43,10 @@ SWEEP_CONTEXTS = (22_000, 64_000, 128_000, 240_000)
 
 class SessionResult(BaseModel):
     index: int
-    prompt_tokens: int
+    session_id: str | None = None  # the X-Session-ID header (vllm-router's affinity key); X-Request-Id is it + "-tN"
+    prompt_tokens: int  # of the first turn
+    turns_done: int = 1
+    turn_ttft_s: list[float] = []  # time to first token of each completed turn
     ttft_s: float | None
     output_tokens: int  # counted by the client, chunk by chunk
     usage_completion_tokens: int | None  # the server's count (final usage chunk)
@@ -63,7 +72,9 @@ class SteadyDecode(BaseModel):
 class BenchCell(BaseModel):
     sessions: int
     context_tokens: int
-    output_tokens: int
+    output_tokens: int  # per turn
+    turns: int = 1
+    turn_tokens: int = 0  # new tokens each later turn adds
     steady: SteadyDecode | None
     no_steady_reason: str | None = None
     ttft_s: list[float | None]  # per session, in send order
@@ -72,6 +83,7 @@ class BenchCell(BaseModel):
     averaged_output_tok_s: float  # all output tokens / wall time: what `vllm bench serve` reports
     wall_s: float
     metric_samples: int
+    lost_nodes: dict[str, float] = {}  # behind a router: node -> when (s) its /metrics stopped answering
     sessions_detail: list[SessionResult]
 
 
@@ -91,6 +103,7 @@ class BenchResult(BaseModel):
     tokenizer: str
     prompt_source: str
     poll_interval_s: float
+    nodes: list[str] | None = None  # behind vllm-router: the nodes whose /metrics were summed
     cells: list[BenchCell]
     comparison: list[CellChange] | None = None
     baseline_file: str | None = None
@@ -112,13 +125,14 @@ def check_cell(cell: BenchCell) -> None:
     failed = failed_sessions(cell)
     if not failed:
         return
-    first = failed[0]
-    why = first.error or "no token received (the stream ended empty)"
+    whys = [d.error or "no token received (the stream ended empty)" for d in failed]
+    listed = "; ".join(f"session {d.index + 1}: {why}" for d, why in zip(failed, whys, strict=True))
+    lost = "".join(f"; node {url} stopped answering at {t:.1f} s" for url, t in cell.lost_nodes.items())
     raise BenchFailed(
         f"{len(failed)} of {cell.sessions} session(s) failed at {cell.context_tokens:,} prompt tokens "
-        f"(session {first.index + 1}: {why}); no result was written",
-        hint="the server's log says why it refused or dropped them" if "HTTP" in why
-        else "check the server's log; a slow server needs a larger --timeout")
+        f"({listed}{lost}); no result was written",
+        hint="the server's log says why it refused or dropped them" if any("HTTP" in w for w in whys)
+        else "check the server's log (behind a router, the node's); a slow server needs a larger --timeout")
 
 
 def unmeasured_cells(result: BenchResult) -> list[BenchCell]:
@@ -175,6 +189,11 @@ class PromptSource:
         return (doubled * (1 + n // max(1, len(doubled))))[:n]
 
     def prompts(self, sessions: int, context: int) -> list[list[int]]:
+        return [plan.prompt for plan in self.session_plans(sessions, context)]
+
+    def session_plans(self, sessions: int, context: int, turns: int = 1, turn_tokens: int = 0) -> list[SessionPlan]:
+        """Each session's first prompt of `context` tokens and `turns - 1` follow-ups of
+        `turn_tokens` (the source text read on), under an id unique to the run."""
         prefix = self.tokenizer.special_prefix()
         nonce = secrets.token_hex(4)  # unique per run too: nothing from an earlier run is cached
         out = []
@@ -183,15 +202,21 @@ class PromptSource:
             need = context - len(prefix) - len(header)
             if need < 1:
                 raise UsageError(f"--context {context} is shorter than the session header ({len(header)} tokens)")
-            out.append(prefix + header + self._body(i, sessions, need))
+            body = self._body(i, sessions, need + (turns - 1) * turn_tokens)
+            follow_ups = [body[need + k * turn_tokens: need + (k + 1) * turn_tokens] for k in range(turns - 1)]
+            out.append(SessionPlan(prompt=prefix + header + body[:need], follow_ups=follow_ups,
+                                   session_id=f"glmctl-bench-{nonce}-s{i + 1}"))
         return out
 
 
-def _cell(sessions: int, context: int, output_tokens: int, run: DriveResult, before, after) -> BenchCell:
+def _cell(sessions: int, context: int, output_tokens: int, run: DriveResult, before, after,
+          turns: int = 1, turn_tokens: int = 0) -> BenchCell:
     traces = run.traces
     errors = [t.error for t in traces if t.error]
     firsts = [t.first_token_at for t in traces]
     dones = [t.done_at for t in traces if t.done_at is not None]
+    # with turns, all sessions decode together only in the first (later turns start one by one)
+    window_ends = [t.first_turn_done_at for t in traces if t.first_turn_done_at is not None] if turns > 1 else dones
     steady, reason = None, None
     baseline_running = before.running
     if errors:
@@ -199,7 +224,7 @@ def _cell(sessions: int, context: int, output_tokens: int, run: DriveResult, bef
     elif any(f is None for f in firsts):
         reason = "a session received no token"
     else:
-        last_first, first_done = max(firsts), min(dones)  # type: ignore[type-var]
+        last_first, first_done = max(firsts), min(window_ends)  # type: ignore[type-var]
         window = steady_window(run.samples, sessions, after=last_first, before=first_done,
                                baseline_running=baseline_running)
         if window is None:
@@ -218,7 +243,8 @@ def _cell(sessions: int, context: int, output_tokens: int, run: DriveResult, bef
         span = (t.arrivals[-1][0] - t.first_token_at) if t.arrivals and t.first_token_at is not None else 0.0
         in_win = t.tokens_between(steady.t0_s, steady.t1_s) if steady else 0
         detail.append(SessionResult(
-            index=t.index, prompt_tokens=t.prompt_tokens,
+            index=t.index, session_id=t.session_id or None, prompt_tokens=t.prompt_tokens,
+            turns_done=t.turns_done, turn_ttft_s=t.turn_ttft_s,
             ttft_s=None if t.first_token_at is None else t.first_token_at - t.sent_at,
             output_tokens=t.output_tokens, usage_completion_tokens=t.usage_completion_tokens, decode_tok_s=(t.output_tokens - 1) / span if span > 0 else None,
             window_tokens=in_win, window_tok_s=in_win / steady.seconds if steady else None,
@@ -226,7 +252,8 @@ def _cell(sessions: int, context: int, output_tokens: int, run: DriveResult, bef
     wall = (max(dones) if dones else 0.0) - min(t.sent_at for t in traces)
     total_out = sum(t.output_tokens for t in traces)
     return BenchCell(
-        sessions=sessions, context_tokens=context, output_tokens=output_tokens, steady=steady,
+        sessions=sessions, context_tokens=context, output_tokens=output_tokens, turns=turns,
+        turn_tokens=turn_tokens, steady=steady, lost_nodes=run.lost_nodes,
         no_steady_reason=reason, ttft_s=[d.ttft_s for d in detail],
         preemptions=int(after.preemptions - before.preemptions),
         kv_usage_max=max([s.kv_usage for s in run.samples] or [0.0]),
@@ -251,12 +278,12 @@ def _why_no_window(run: DriveResult, sessions: int, output_tokens: int, last_fir
             "metric samples with nothing else happening; raise --output-tokens or lower --poll-interval")
 
 
-def wait_idle(server: OpenAIServer, timeout_s: float):
+def wait_idle(server: OpenAIServer, timeout_s: float, nodes: list[str] | None = None):
     """The first sample with nothing running or waiting; the gauges of a request that just ended
     may lag by a step, so wait a little before calling the server busy."""
     deadline = time.monotonic() + timeout_s
     while True:
-        sample = scrape(server, 0.0)
+        sample = scrape(server, 0.0, nodes)
         if not (sample.running or sample.waiting):
             return sample
         if time.monotonic() > deadline:
@@ -266,17 +293,40 @@ def wait_idle(server: OpenAIServer, timeout_s: float):
         time.sleep(0.5)
 
 
+def session_tokens(context: int, output_tokens: int, turns: int = 1, turn_tokens: int = 0) -> int:
+    """The longest prompt plus output a session sends: its last turn's."""
+    return context + turns * output_tokens + (turns - 1) * turn_tokens
+
+
+def _check_fits(server: OpenAIServer, context: int, output_tokens: int, turns: int, turn_tokens: int) -> None:
+    total = session_tokens(context, output_tokens, turns, turn_tokens)
+    what = (f"a session of {context:,} prompt + {output_tokens:,} output tokens" if turns == 1 else
+            f"a session of {turns} turns ({context:,} prompt tokens, {output_tokens:,} output and "
+            f"{turn_tokens:,} new tokens a turn: {total:,} by its last)")
+    server.check_fits(total, what, hint=f"use --context {(server.max_model_len or 0) - (total - context)} or less")
+
+
+def fleet_nodes(server: OpenAIServer) -> list[str] | None:
+    """The nodes behind `server` when it is a vllm-router, else None: those it routes to (a node it
+    has taken out gets no session), whose /metrics are summed."""
+    from glmctl.fleet.router import router_workers
+
+    workers = router_workers(server.base_url, headers=server.headers)
+    if not workers:
+        return None
+    return [w.url for w in workers if w.healthy] or [w.url for w in workers]
+
+
 def run_cell(server: OpenAIServer, prompts: PromptSource, *, sessions: int, context: int, output_tokens: int,
              poll_interval: float = 0.5, on_tokens: Callable[[int], None] | None = None,
-             idle_wait_s: float = 15.0) -> BenchCell:
-    server.check_fits(context + output_tokens,
-                      f"a session of {context:,} prompt + {output_tokens:,} output tokens",
-                      hint=f"use --context {(server.max_model_len or 0) - output_tokens} or less")
-    batch = prompts.prompts(sessions, context)
-    before = wait_idle(server, idle_wait_s)
-    run = drive(server, batch, output_tokens, poll_interval=poll_interval, on_tokens=on_tokens)
-    after = scrape(server, 0.0)
-    return _cell(sessions, context, output_tokens, run, before, after)
+             idle_wait_s: float = 15.0, turns: int = 1, turn_tokens: int = 0,
+             nodes: list[str] | None = None) -> BenchCell:
+    _check_fits(server, context, output_tokens, turns, turn_tokens)
+    plans = prompts.session_plans(sessions, context, turns, turn_tokens)
+    before = wait_idle(server, idle_wait_s, nodes)
+    run = drive(server, plans, output_tokens, poll_interval=poll_interval, on_tokens=on_tokens, nodes=nodes)
+    after = scrape(server, 0.0, nodes)
+    return _cell(sessions, context, output_tokens, run, before, after, turns, turn_tokens)
 
 
 def compare(result: BenchResult, baseline: BenchResult) -> list[CellChange]:
@@ -299,10 +349,10 @@ def new_result(server: OpenAIServer, tokenizer: Tokenizer, prompts: PromptSource
                        prompt_source=prompts.description, poll_interval_s=poll_interval, cells=[])
 
 
-def sweep_contexts(server: OpenAIServer, output_tokens: int) -> list[int]:
+def sweep_contexts(server: OpenAIServer, output_tokens: int, turns: int = 1, turn_tokens: int = 0) -> list[int]:
     """The report's context columns that fit this server (all of them when it does not say)."""
     limit = server.max_model_len
-    fitting = [c for c in SWEEP_CONTEXTS if limit is None or c + output_tokens <= limit]
+    fitting = [c for c in SWEEP_CONTEXTS if limit is None or session_tokens(c, output_tokens, turns, turn_tokens) <= limit]
     if not fitting:
         raise UsageError(f"none of the sweep's default contexts ({', '.join(f'{c:,}' for c in SWEEP_CONTEXTS)}) "
                          f"fits the server's max_model_len of {limit:,} with {output_tokens} output tokens",
@@ -313,18 +363,18 @@ def sweep_contexts(server: OpenAIServer, output_tokens: int) -> list[int]:
 def run_bench(server: OpenAIServer, tokenizer: Tokenizer, prompts: PromptSource, *, sessions: list[int],
               contexts: list[int], output_tokens: int, poll_interval: float = 0.5,
               on_cell: Callable[[int, int], None] | None = None,
-              on_tokens: Callable[[int], None] | None = None) -> BenchResult:
+              on_tokens: Callable[[int], None] | None = None, turns: int = 1, turn_tokens: int = 0) -> BenchResult:
     """Every (sessions, context) cell, one after the other, fit-checked before the first one runs."""
-    longest = max(contexts)
-    server.check_fits(longest + output_tokens, f"a session of {longest:,} prompt + {output_tokens:,} output tokens",
-                      hint=f"use --context {(server.max_model_len or 0) - output_tokens} or less")
+    _check_fits(server, max(contexts), output_tokens, turns, turn_tokens)
     result = new_result(server, tokenizer, prompts, poll_interval)
+    result.nodes = fleet_nodes(server)
     for n in sessions:
         for context in contexts:
             if on_cell:
                 on_cell(n, context)
             cell = run_cell(server, prompts, sessions=n, context=context, output_tokens=output_tokens,
-                            poll_interval=poll_interval, on_tokens=on_tokens)
+                            poll_interval=poll_interval, on_tokens=on_tokens, turns=turns,
+                            turn_tokens=turn_tokens, nodes=result.nodes)
             check_cell(cell)  # a failed session makes every later number suspect: stop here
             result.cells.append(cell)
     if len(unmeasured_cells(result)) == len(result.cells):

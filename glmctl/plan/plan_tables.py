@@ -7,6 +7,7 @@ from rich.table import Table
 
 from glmctl.plan.capacity import CapacityPlan
 from glmctl.plan.field_report import ReportReproduction
+from glmctl.plan.fleet_capacity import FleetPlan
 
 GIB = 1 << 30
 _SECTIONS = {"weights": "weights", "drafter": "drafter", "reserve": "reserved"}
@@ -87,6 +88,28 @@ def render_plan(plan: CapacityPlan, console: Console) -> None:
             f"{_sizes(s.cudagraph_capture_sizes)}; batched tokens {s.max_num_batched_tokens:,}[/dim]"
         )
     for note in plan.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def render_fleet(fleet: FleetPlan, console: Console) -> None:
+    """One node's plan, then the fleet of N such nodes and what the loss of one leaves."""
+    render_plan(fleet.node, console)
+    console.print()
+    loss = fleet.after_loss
+    table = Table(title=f"Fleet: {fleet.nodes} node(s) like this one behind vllm-router, each session on one node "
+                        f"(sessions of {fleet.session_tokens:,} tokens)", title_justify="left")
+    table.add_column("")
+    table.add_column("per node", justify="right")
+    table.add_column(f"fleet of {fleet.nodes}", justify="right")
+    table.add_column(f"after losing one ({loss.nodes_left} left)", justify="right")
+    table.add_row("sessions", f"{fleet.sessions_per_node:,}", f"[bold]{fleet.fleet_sessions:,}[/bold]", f"{loss.sessions:,}")
+    table.add_row("KV tokens", f"{fleet.kv_tokens_per_node:,}", f"{fleet.fleet_kv_tokens:,}", f"{loss.kv_tokens:,}")
+    console.print(table)
+    if not fleet.fits:
+        console.print(f"[bold red]the node does not fit ({fleet.node.reason}): the fleet holds no session[/bold red]")
+    console.print(f"sessions that stay resident through the loss of any one node: [bold]{loss.resilient_sessions:,}"
+                  f"[/bold]; a full node's {loss.displaced_at_full_load:,} sessions are displaced when it goes")
+    for note in fleet.notes:
         console.print(f"[dim]note: {note}[/dim]")
 
 

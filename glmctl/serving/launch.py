@@ -77,7 +77,8 @@ def exit_status(returncode: int) -> int:
 
 
 class VllmProcess:
-    """One vLLM server process tree: start, follow the log, wait until healthy, stop."""
+    """One vLLM server process tree: start, follow the log, wait until healthy, stop. `name` is what
+    messages call it (the same supervision runs vllm-router in front of a fleet)."""
 
     def __init__(
         self,
@@ -86,7 +87,9 @@ class VllmProcess:
         log_path: Path,
         on_line: Callable[[str], None] | None = None,
         keep_lines: int = 200,
+        name: str = "vLLM",
     ) -> None:
+        self.name = name
         self.argv = argv
         self.env = env
         self.log_path = Path(log_path)
@@ -261,7 +264,7 @@ class VllmProcess:
                     pass
                 if deadline is not None and time.monotonic() > deadline:
                     raise ServerStartError(
-                        f"vLLM did not become healthy within {timeout_s:.0f} s (last phase: "
+                        f"{self.name} did not become healthy within {timeout_s:.0f} s (last phase: "
                         f"{self.phase})\n" + self._tail(),
                         hint=f"raise --startup-timeout, or read {self.log_path}",
                         exit_code=1,
@@ -275,7 +278,7 @@ class VllmProcess:
 
     def _died_message(self, status: int) -> str:
         return (
-            f"vLLM exited with status {status} during start-up ({self.phase}); last log lines:\n"
+            f"{self.name} exited with status {status} during start-up ({self.phase}); last log lines:\n"
             + self._tail()
         )
 

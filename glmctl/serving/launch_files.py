@@ -55,6 +55,13 @@ def holds_secret(value: Any) -> bool:
     return masked(value) != value
 
 
+def local_url(host: str, port: int) -> str:
+    """http://HOST:PORT as a client on this machine reaches a server listening there (a server on
+    every interface answers on the loopback address)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"http://{host}:{port}"
+
+
 @dataclass
 class RenderedLaunch:
     """Everything needed to start vLLM for one profile, as data."""
@@ -69,8 +76,7 @@ class RenderedLaunch:
 
     @property
     def base_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return local_url(self.host, self.port)
 
     @property
     def model_dir(self) -> Path:
@@ -273,14 +279,20 @@ def write(launch: RenderedLaunch, out_dir: Path) -> RenderedFiles:
     notices = out_dir / NOTICES_NAME if launch.notices else None
     if notices is not None:
         files[notices] = (launch.notices_text(), 0o644)
+    write_text_files(files)
+    return RenderedFiles(config=config, env=env, command=command, notices=notices, command_line=line)
+
+
+def write_text_files(files: dict[Path, tuple[str, int]]) -> None:
+    """Write each file through a temporary name and a rename, created with its mode (the umask
+    applies), so a reader never sees half a file and a secret is never readable by others."""
     for path, (text, mode) in files.items():
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)  # the umask applies
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(text)
             os.replace(tmp, path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise ConfigError(f"cannot write {path}: {exc.strerror or exc}", hint="choose another --out") from exc
-    return RenderedFiles(config=config, env=env, command=command, notices=notices, command_line=line)

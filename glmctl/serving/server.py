@@ -83,12 +83,29 @@ class Server:
         should_stop: Callable[[], bool] | None = None,
     ) -> ServerInfo | None:
         """Render into the run directory, start vLLM, wait for /health. None if `should_stop` fired."""
+        self.spawn()
+        return self.wait_ready(timeout_s, on_progress, should_stop)
+
+    def spawn(self) -> None:
+        """Render into the run directory and start vLLM; `wait_ready` follows. Spawn from the thread
+        that holds the server: vLLM is stopped when the thread that started it ends (see
+        glmctl.serving.vllm_entry), so several servers are spawned in turn and waited for together."""
         self.files = launch_files.write(self.launch, self.run_dir)
         log = self.run_dir / LOG_NAME
         log.unlink(missing_ok=True)
         self.process = VllmProcess(self.launch.argv(self.files.config), self.launch.env, log,
                                    on_line=self._on_line)
         self.process.start()
+
+    def wait_ready(
+        self,
+        timeout_s: float | None = 600,
+        on_progress: Callable[[VllmProcess], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> ServerInfo | None:
+        """Wait for the spawned vLLM's /health (stopping it on failure); None if `should_stop` fired."""
+        assert self.process is not None, "spawn() first"
+        log = self.process.log_path
         try:
             self.process.wait_healthy(self.launch.base_url, timeout_s, on_progress, should_stop)
         except BaseException:

@@ -45,8 +45,8 @@ def _answer_vllm_version_lookup() -> None:
     metadata.version = version
 
 
-def _stop_with_supervisor() -> None:
-    """Under `glmctl serve`, have the kernel send SIGTERM here if glmctl dies, even by SIGKILL,
+def stop_with_supervisor() -> None:
+    """Under `glmctl serve` (and `glmctl fleet up`), have the kernel send SIGTERM here if glmctl dies, even by SIGKILL,
     so that a killed supervisor never leaves a server (and its GPUs) running on its own."""
     supervisor = switches.read("GLMCTL_SUPERVISOR_PID")
     os.environ.pop("GLMCTL_SUPERVISOR_PID", None)
@@ -62,7 +62,7 @@ def _stop_with_supervisor() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _stop_with_supervisor()
+    stop_with_supervisor()
     _answer_vllm_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 

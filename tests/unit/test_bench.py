@@ -204,7 +204,8 @@ def test_metrics_scrapes_that_time_out_are_gaps_until_the_silence_limit():
     async def run(stalls: int, limit: float):
         samples, silences, stop = [], [], asyncio.Event()
         task = asyncio.create_task(bench_drive._poll(_stalling_client(stalls, 1.0), "m", 0.01, 0.0, stop, samples,
-                                                     0.05, silences, silence_limit=limit))
+                                                     0.05, None, {}, silences,
+                                                     silence_limit=limit))
         await asyncio.sleep(0.3)
         stop.set()
         await task

@@ -4,12 +4,10 @@ answers, and stops on SIGTERM with nothing left behind."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from glmctl.serving import launch_files, profiles, vllm_args
 from glmctl.serving import server as srv
 from tests.conftest import REPO
+from tests.vllm.held_process import group_gone, profile_file, read_ready
 
 pytestmark = pytest.mark.vllm
 
@@ -58,16 +57,9 @@ def test_shipped_profiles_pass_vllms_parser_and_problems_are_named(tmp_path):
     ]
 
 
-def _profile_file(tmp_path, kind: str, extra: str = "") -> str:
-    served = "tiny-llama" if kind == "llama" else "tiny"
-    path = tmp_path / f"tiny-{kind}.yaml"
-    path.write_text(f"extends: tiny-cpu\nmodel:\n  served_name: {served}\n{extra}")
-    return str(path)
-
-
 def test_serve_refuses_an_argument_vllm_rejects(run_cli, tmp_path, tiny_launch_target):
     kind, ckpt = tiny_launch_target
-    profile = _profile_file(tmp_path, kind, "vllm_args:\n  max-logprobs: lots\n")
+    profile = profile_file(tmp_path, kind, "vllm_args:\n  max-logprobs: lots\n")
     proc = run_cli("serve", "--profile", profile, "--model", str(ckpt), "--port", str(srv.free_port()),
                    timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -75,17 +67,9 @@ def test_serve_refuses_an_argument_vllm_rejects(run_cli, tmp_path, tiny_launch_t
     assert "fix vllm_args in profile" in proc.stderr
 
 
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_glmctl_serve_tiny_cpu_serves_and_stops_cleanly_on_sigterm(tiny_launch_target, tmp_path):
     kind, ckpt = tiny_launch_target
-    profile = "tiny-cpu" if kind == "glm" else _profile_file(tmp_path, kind)
+    profile = "tiny-cpu" if kind == "glm" else profile_file(tmp_path, kind)
     port = srv.free_port()
     env = {**os.environ, "GLMCTL_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
@@ -94,18 +78,7 @@ def test_glmctl_serve_tiny_cpu_serves_and_stops_cleanly_on_sigterm(tiny_launch_t
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
     )
     try:
-        text, ready = "", None
-        deadline = time.monotonic() + 900
-        while ready is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break  # glmctl exited before the server was ready
-            text += line
-            try:
-                ready = json.loads(text)
-            except ValueError:
-                continue
-        assert ready is not None, proc.stderr.read() if proc.poll() is not None else "no ready document"
+        ready = read_ready(proc, 900)
         assert ready["endpoint"] == f"http://127.0.0.1:{port}/v1"
         assert ready["kv_cache_tokens"] > 0 and ready["kv_cache_source"].startswith("vLLM start-up log")
         if kind == "glm":  # the planner predicts vLLM's own KV arithmetic for the tiny checkpoint
@@ -124,7 +97,7 @@ def test_glmctl_serve_tiny_cpu_serves_and_stops_cleanly_on_sigterm(tiny_launch_t
             proc.kill()
     assert code == 0, err
     assert "vLLM stopped (exit status 0)" in err
-    assert _group_gone(vllm_pgid), "vLLM processes outlived glmctl serve"
+    assert group_gone(vllm_pgid), "vLLM processes outlived glmctl serve"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     run_dir = tmp_path / "cache" / "serve"
@@ -136,7 +109,7 @@ def test_vllm_dying_during_startup_exits_nonzero_with_its_last_lines(run_cli, tm
     kind, ckpt = tiny_launch_target
     # Passes vLLM's parser and every preflight check, then fails when vLLM loads the tokenizer.
     missing = tmp_path / "no-tokenizer-here"
-    profile = _profile_file(tmp_path, kind, f"vllm_args:\n  tokenizer: {missing}\n")
+    profile = profile_file(tmp_path, kind, f"vllm_args:\n  tokenizer: {missing}\n")
     proc = run_cli("serve", "--profile", profile, "--model", str(ckpt), "--port", str(srv.free_port()),
                    env={"GLMCTL_CACHE": str(tmp_path / "cache")}, timeout=600)
     assert proc.returncode not in (0, 2), proc.stderr
