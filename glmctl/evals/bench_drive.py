@@ -207,7 +207,7 @@ async def _scrape(client: httpx.AsyncClient, path: str, model: str, timeout: flo
 
 async def _poll(client: httpx.AsyncClient, model: str, interval: float, t0: float, stop: asyncio.Event,
                 samples: list[MetricsSample], timeout: float, nodes: list[str] | None,
-                lost: dict[str, float], silences: list[tuple[float, float]] | None = None,
+                lost: dict[str, float], silences: list[tuple[float, float]],
                 silence_limit: float = METRICS_SILENCE_S) -> None:
     answered_at = time.monotonic()
     while True:
@@ -217,8 +217,6 @@ async def _poll(client: httpx.AsyncClient, model: str, interval: float, t0: floa
                 sample = await _scrape(client, "/metrics", model, timeout)
             except ServerUnreachable as exc:  # a scrape that timed out: a gap, up to silence_limit
                 quiet = time.monotonic() - answered_at
-                if silences is None:
-                    raise
                 if quiet >= silence_limit:
                     raise ServerUnreachable(f"{exc} (nothing for {quiet:.0f} s)") from exc
                 silences.append((round(sent - t0, 2), round(time.monotonic() - sent, 2)))

@@ -152,7 +152,7 @@ def greedy_verdict(plain: dict, runs: dict, mode: str, routing_gap=None) -> tupl
     transformers fp32's MoE routing at that position is itself a near-tie (`routing_gap(name,
     shared tokens)` below 2 x ROUTING_TIE: bf16 noise of another batch shape may swap an expert
     there, as tests/vllm/noise_floor.py says)."""
-    from tests.vllm.noise_floor import ROUTING_TIE
+    from tests.vllm.noise_floor import routing_near_tie
 
     problems, ties = [], []
     for name in PROMPTS:
@@ -169,7 +169,7 @@ def greedy_verdict(plain: dict, runs: dict, mode: str, routing_gap=None) -> tupl
         gap = routing_gap(name, want[:i]) if routing_gap is not None else None
         if alone[: i + 1] == got[: i + 1] or (margin <= TIE_NATS and got[i] == second):
             ties.append((name, i, round(margin, 4)))
-        elif gap is not None and gap < 2 * ROUTING_TIE:
+        elif routing_near_tie(gap):
             ties.append((name, i, f"routing gap {gap:.4f}"))
         else:
             problems.append(f"{mode} {name}: step {i} gives {got[i]}, plain {want[i]} (margin {margin:.3f} nats"

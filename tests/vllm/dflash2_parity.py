@@ -37,7 +37,7 @@ os.environ.pop("GLMCTL_PLUGIN_ACTIVE", None)
 os.environ.pop("GLMCTL_DFLASH2_KV", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.vllm.mtp_parity import _delta, _greedy, _shutdown, _spec_counters  # noqa: E402
+from tests.vllm.mtp_parity import Oracle, _delta, _greedy, _shutdown, _spec_counters, emitted  # noqa: E402
 
 DRAFTS = 5
 # Which draft (0-based) the oracle corrupts at its n-th verify step, cyclically: None keeps all
@@ -66,41 +66,25 @@ class KvLog(logging.Handler):
             self.placements.append(message.split("DFlash2 drafter KV ", 1)[1].split(" ", 1)[0])
 
 
-class Drafts:
+class Drafts(Oracle):
     """Counts the plugin's selector walks, records proposals, and when steering replaces them with
     the known greedy continuation (one draft corrupted per CORRUPT). Both runners' drafters."""
 
     def __init__(self):
+        super().__init__(CORRUPT)
         self.recorded: list | None = None
-        self.reference: list[int] | None = None
-        self.position = None
-        self.steps = 0
         self.selector_walks = 0
 
     def steer(self, reference: list[int] | None) -> None:
-        self.reference, self.position, self.steps = reference, None, 0
+        self.start(reference)
 
     def steered(self, out, num_rejected):
         """`out` [requests, drafts] with request 0's drafts replaced (oracle runs are one request)."""
-        import torch
-
         if self.recorded is not None:
             self.recorded.append(out.tolist())
         if self.reference is None:
             return out
-        width = out.shape[1]
-        if self.position is None:  # right after prefill: the next token is the first output
-            self.position = 0
-        else:
-            self.position += width - int(num_rejected[0]) + 1
-        nxt = self.position + 1
-        want = [self.reference[p] if p < len(self.reference) else 0 for p in range(nxt, nxt + width)]
-        bad = CORRUPT[self.steps % len(CORRUPT)]
-        if bad is not None:
-            want[bad] = (want[bad] + 1) % 2048
-        self.steps += 1
-        out[0] = torch.tensor(want, dtype=out.dtype, device=out.device)
-        return out
+        return self.replace(out, None if self.position is None else emitted(out, num_rejected))
 
     def install(self) -> None:
         from glmctl.plugin.spec_decode import dflash2

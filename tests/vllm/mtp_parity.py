@@ -76,9 +76,11 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 class Oracle:
-    """Replaces the drafter's proposals with the known greedy continuation (one corrupted)."""
+    """Replaces the drafter's proposals with the known greedy continuation, one draft corrupted
+    per step on the `corrupt` schedule (tests/vllm/dflash2_parity.Drafts steers DFlash2 with it)."""
 
-    def __init__(self):
+    def __init__(self, corrupt: tuple = CORRUPT):
+        self.corrupt = corrupt
         self.reference: list[int] | None = None
         self.position = None
         self.steps = 0
@@ -96,16 +98,15 @@ class Oracle:
 
         def propose(proposer, *args, **kwargs):
             drafts = stock(proposer, *args, **kwargs)
-            rejected = kwargs.get("num_rejected_tokens_gpu")
-            # V1 reports rejected drafts; a verify step emits the accepted ones plus one
-            emitted = None if rejected is None else drafts.shape[1] - int(rejected[0]) + 1
-            return oracle.steer(drafts, emitted)
+            if oracle.reference is None:
+                return drafts
+            return oracle.replace(drafts, emitted(drafts, kwargs.get("num_rejected_tokens_gpu")))
 
         SpecDecodeBaseProposer.propose = propose
         for cls in v2_speculators(("mtp", "multi_module_mtp")):
             _steer_v2(cls, oracle)
 
-    def steer(self, drafts, emitted: int | None):
+    def replace(self, drafts, emitted: int | None):
         """Replace request 0's drafts; `emitted`: the tokens the last verify step produced
         (None right after prefill)."""
         import torch
@@ -119,12 +120,18 @@ class Oracle:
             self.position += emitted
         nxt = self.position + 1
         want = [self.reference[p] if p < len(self.reference) else 0 for p in range(nxt, nxt + width)]
-        bad = CORRUPT[self.steps % len(CORRUPT)]
+        bad = self.corrupt[self.steps % len(self.corrupt)]
         if bad is not None:
             want[bad] = (want[bad] + 1) % 2048
         self.steps += 1
         drafts[0] = torch.tensor(want, dtype=drafts.dtype, device=drafts.device)
         return drafts
+
+
+def emitted(drafts, num_rejected) -> int | None:
+    """The tokens request 0's last verify step emitted (its accepted drafts plus one), from the
+    rejected count a proposer is given; None right after prefill (no rejected count yet)."""
+    return None if num_rejected is None else drafts.shape[1] - int(num_rejected[0]) + 1
 
 
 def v2_speculators(kinds) -> list[type]:
@@ -161,7 +168,7 @@ def _steer_v2(cls, oracle) -> None:
         if kwargs.get("dummy_run") or oracle.reference is None:
             return drafts
         sampled = kwargs["num_sampled"] if "num_sampled" in kwargs else args[5]
-        return oracle.steer(drafts, int(sampled[0]))
+        return oracle.replace(drafts, int(sampled[0]))
 
     propose._oracle = True
     cls.propose = propose
