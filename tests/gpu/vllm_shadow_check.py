@@ -255,7 +255,11 @@ def main(checkpoint: str, out_path: str, prompts: dict) -> dict:
         _shadow_mla(impl, sparse_mla_kernels(Target.TORCH))
     _shadow_q_quant()
     text = prompts["sparse-text"]
-    result: dict = {"runner": runner, "mhc": os.environ.get("GLMCTL_MHC", "auto"),
+    import vllm
+
+    result: dict = {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
+                    "device": torch.cuda.get_device_name(0) if on_cuda else "CPU",
+                    "runner": runner, "mhc": os.environ.get("GLMCTL_MHC", "auto"),
                     "instances": {k: len(v) for k, v in INSTANCES.items()}}
     lp = {"served (shadowed)": _prompt_logprobs(llm, text)}
     greedy_batch = _greedy(llm, [prompts[n] for n in prompts], 16)
