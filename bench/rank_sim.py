@@ -231,7 +231,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--decode-budget", type=int, default=4096, help="max tokens a session may decode")
     ap.add_argument("--window-s", type=float, default=8.0, help="steady seconds a cell measures")
     ap.add_argument("--cell-limit-s", type=float, default=420.0, help="a cell's own time limit")
-    ap.add_argument("--profile-cell", default=None)
+    ap.add_argument("--profile-cell", default=None, help="comma list of the cells to profile")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--env", action="append", help="KEY=VALUE for the server")
     ap.add_argument("--port", type=int, default=8011)
@@ -332,7 +332,8 @@ def _cells(args, server, record: dict, save, profile_dir: Path, t_end: float) ->
             else:
                 sessions, context = parse_cell(spec)
                 budget = max(16, min(args.decode_budget, args.max_model_len - context - 64))
-                prof = profiler(server.base, 3.0) if spec == args.profile_cell else None
+                profiled = spec in (args.profile_cell or "").split(",")
+                prof = profiler(server.base, 3.0) if profiled else None
                 cell = run_cell(client, prompts, sessions, context, decode_budget=budget, window_s=args.window_s,
                                 time_limit_s=min(args.cell_limit_s, left - 20), profile=prof)
                 if prof is not None:

@@ -1,8 +1,10 @@
 """Where a decode step goes: vLLM's torch-profiler trace of a few engine iterations, kernel time
 grouped by kind (`KINDS`, first match wins) per iteration, and the GPU-idle time inside the span.
 
-Iterations are counted by glmctl's mHC finalize kernel, which runs twice per target layer per
-forward (the MTP layer has no mHC); the profiler's own iteration limit is the fallback. Only a
+Iterations are counted by glmctl's mHC gate kernel (`ITERATION_MARKERS`, the first one present),
+which runs twice per target layer per forward (the MTP layer has no mHC); the profiler's own
+iteration limit is the fallback. `kernels_table` lists every kernel name above `TABLE_MIN_US` per
+iteration with its kind and calls per iteration, so that no share hides in `other`. Only a
 trace written after the profile was started is read (`since`), so a trace of an earlier run in the
 same folder is never taken for this one.
 """
@@ -30,6 +32,9 @@ KINDS = (
     ("sampler", r"argmax|sampl|softmax|topk|top_k|sort|gumbel|logit|penalt"),
 )
 _KIND_RE = [(k, re.compile(p)) for k, p in KINDS]
+# Kernels launched once per mHC block (2 per target layer per forward), first present wins.
+ITERATION_MARKERS = ("_mix_finalize", "_mhc_gates", "_mhc_block")
+TABLE_MIN_US = 1.0  # per iteration
 
 
 def kind_of(name: str) -> str:
@@ -64,13 +69,20 @@ def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wa
         return {"error": f"{trace.name}: no kernel events"}
     per_kind: dict[str, float] = {}
     top: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    kinds: dict[str, str] = {}
     for e in kernels:
         k = kind_of(e.get("name", "")) if e["cat"] == "kernel" else "memcpy"
         per_kind[k] = per_kind.get(k, 0.0) + float(e.get("dur", 0.0))
-        top[e.get("name", "")[:90]] = top.get(e.get("name", "")[:90], 0.0) + float(e.get("dur", 0.0))
-    finals = sum(1 for e in kernels if "_mix_finalize" in e.get("name", ""))
-    if finals >= 2 * layers:
-        steps = finals / (2 * layers)
+        name = e.get("name", "")[:120]
+        top[name] = top.get(name, 0.0) + float(e.get("dur", 0.0))
+        calls[name] = calls.get(name, 0) + 1
+        kinds[name] = k
+    for marker in ITERATION_MARKERS:
+        finals = sum(1 for e in kernels if marker in e.get("name", ""))
+        if finals >= 2 * layers:
+            steps = finals / (2 * layers)
+            break
     start = min(float(e["ts"]) for e in kernels)
     end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in kernels)
     busy = sum(per_kind.values())
@@ -79,5 +91,8 @@ def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wa
     result["gpu_idle_in_span"] = round(max(0.0, span - busy) / steps, 1)
     return {"trace": trace.name, "iterations": round(steps, 2), "kernels": len(kernels),
             "span_us_per_iteration": round(span / steps, 1), "us_per_iteration": result,
-            "top_kernels_us_per_iteration": {k: round(v / steps, 1) for k, v in
-                                             sorted(top.items(), key=lambda kv: -kv[1])[:25]}}
+            "top_kernels_us_per_iteration": {k[:90]: round(v / steps, 1) for k, v in
+                                             sorted(top.items(), key=lambda kv: -kv[1])[:25]},
+            "kernels_table": [{"name": k, "kind": kinds[k], "calls_per_iteration": round(calls[k] / steps, 2),
+                               "us_per_iteration": round(v / steps, 1)}
+                              for k, v in sorted(top.items(), key=lambda kv: -kv[1]) if v / steps >= TABLE_MIN_US]}

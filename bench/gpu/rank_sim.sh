@@ -8,7 +8,7 @@
 #   bash bench/gpu/rank_sim.sh --detach RUN ...     in a session of its own, which outlives the call
 #   bash bench/gpu/rank_sim.sh --collect [SECONDS]  wait up to SECONDS (default 0) for the detached
 #                                                   job, copy what it wrote into $OUT, print the table
-#   runs: main (= exl3-mtp3), exl3-mtp3, exl3-fullgraph, exl3-nospec, fp8-mtp3, stock
+#   runs: main (= exl3-mtp3), decode (exl3-mtp3's decode cells without 8x227k and 256k), exl3-mtp3, exl3-fullgraph, exl3-nospec, fp8-mtp3, stock
 #         (exl3-fullgraph: VLLM_USE_BREAKABLE_CUDAGRAPH=0, so KDA, MLA attention and the indexer are
 #         captured too instead of running eagerly between graph segments, vLLM's default for this
 #         model: the A/B that says how much of a step is host time)
@@ -23,7 +23,7 @@
 #   call 4      carry [".stage/unpack.sh", ".whl"]:
 #               bash .stage/unpack.sh && bash bench/gpu/rank_sim.sh --detach main && bash bench/gpu/rank_sim.sh --collect 560
 #   call 5      right after (the machine goes back ~30 s after a call): bash bench/gpu/rank_sim.sh --collect 560
-#   main = exl3-mtp3 with cells warm, 8x22k, 8x227k (profiled inside its window), 256k, 8x64k, 1x64k:
+#   main = exl3-mtp3 with cells warm, 8x22k, 1x64k, 8x64k, 8x227k (each profiled inside its window), 256k:
 #   boot ~250 s, warm-up ~40 s, 8x22k ~50 s, 8x227k ~350 s (eight 227k prefills queue one at a time,
 #   ~0.35 s per 2,048-token chunk on the H200), 256k ~45 s; 8x64k and 1x64k only if time is left.
 #   The table (last) and every file come back with call 5; call 4's come back with what was done by then.
@@ -151,7 +151,8 @@ run() {  # name experts mtp plugin cells profile_cell extra...
 }
 for r in "${@:-main}"; do
   case $r in
-    main|exl3-mtp3) run exl3-mtp3 exl3 3 on warm,8x22k,8x227k,256k,8x64k,1x64k 8x227k ;;
+    main|exl3-mtp3) run exl3-mtp3 exl3 3 on warm,8x22k,1x64k,8x64k,8x227k,256k 8x22k,1x64k,8x64k,8x227k ;;
+    decode)         run exl3-mtp3 exl3 3 on warm,8x22k,1x64k,8x64k 8x22k,1x64k,8x64k ;;
     exl3-fullgraph) run exl3-fullgraph exl3 3 on warm,8x22k,1x64k "" --env VLLM_USE_BREAKABLE_CUDAGRAPH=0 ;;
     exl3-nospec)    run exl3-nospec exl3 0 on warm,8x22k,8x227k "" ;;
     fp8-mtp3)       run fp8-mtp3 fp8 3 on warm,1x64k,8x22k "" ;;
