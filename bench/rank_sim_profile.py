@@ -23,13 +23,24 @@ KINDS = (
     ("mla_attention", r"sparse_mla|_combine_kernel|mla_cache_write|flash_mla|flashmla"),
     ("indexer", r"indexer|kpool|fwht|topk_slices|_kpool_topk"),
     ("kda", r"kda|chunk_|fused_recurrent|gated_delta|causal_conv|fla_|recompute_w_u|solve_tril"
-            r"|l2norm|gdn|kimi|wy_fast|cumsum_|chunk_local"),
+            r"|l2norm|gdn|kimi|wy_fast|cumsum_|chunk_local|norm_gated"),
+    # the router's top-k and the EXL3 path's input staging belong to the experts' share
     ("routed_experts", r"exl3|fused_moe|moe_align|moe_sum|topk_softmax|grouped_topk|moe_|"
-                       r"_moe|count_and_sort|expert"),
-    ("norms_mhc", r"_mix_partials|_mix_finalize|rms_norm|rmsnorm|layernorm|layer_norm|mhc"),
-    ("dense_gemm", r"gemm|cutlass|cublas|xmma|w8a8|matmul|gemv|splitk|sm90_|sm80_|ampere_"
-                   r"|_scaled_mm|fp8_quant|per_token_group_quant|quant"),
-    ("sampler", r"argmax|sampl|softmax|topk|top_k|sort|gumbel|logit|penalt"),
+                       r"_moe|count_and_sort|expert|_coop_inputs|single_group_topk"),
+    ("norms_mhc", r"_mix_partials|_mix_finalize|_mhc|rms_norm|rmsnorm|layernorm|layer_norm|mhc"),
+    # block-FP8 linears: vLLM's Marlin W8A16 (what an sm_89 node gets), its Triton w8a8, glmctl's
+    ("fp8_linear", r"marlin|w8a8_block|_w8a8|fp8_block|fp8_linear|_fp8_gemv|_fp8_mm"),
+    ("dense_gemm", r"gemm|cutlass|cublas|xmma|matmul|gemv|splitk|sm90_|sm80_|ampere_|nvjet|dot_kernel"
+                   r"|reduce_1block|_scaled_mm|fp8_quant|per_token_group_quant|quant"),
+    ("activation", r"act_and_mul|silu|gelu|swiglu"),
+    ("sampler", r"argmax|sampl|softmax|topk|top_k|sort|gumbel|logit|penalt|_rejection|_resample"
+                r"|_combine_sampled|_insert_resampled|_get_num_sampled"),
+    # vLLM's model-runner bookkeeping kernels (input preparation, slot mappings, draft updates)
+    ("runner", r"_prepare_|_compute_slot_mappings|_update_draft|_post_update|_gather_block_tables"
+               r"|_expand_idx|_fused_eh_norm|_bias_kernel"),
+    # torch's own elementwise / copy / index kernels between the ops (glue: casts, adds, cats)
+    ("torch_glue", r"at::native|elementwise|copy|catarray|fill|arange|index|gather|scatter|memcpy32"
+                   r"|triton_poi_|triton_per_|^kernel$"),
 )
 _KIND_RE = [(k, re.compile(p)) for k, p in KINDS]
 # Kernels launched once per mHC block (2 per target layer per forward), first present wins.

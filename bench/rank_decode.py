@@ -1,0 +1,218 @@
+"""The decode step of one TP8 rank, component by component, against the bytes each component must
+move: `bench/results/rank-decode-h200.json` from bench/rank_sim.py records whose cells were profiled.
+
+    python bench/rank_decode.py REC.json [REC.json ...] --out bench/results/rank-decode-h200.json \\
+        --copy-bw 4.19e12 --source "H200, 2026-12-02 (block 1)"
+
+Per cell (`SxCk`: S sessions at C context, MTP-k): `step_ms` is the cell's measured step (vLLM's
+counters over its steady window); `components` are the profiled window's kernel time per engine
+iteration grouped by kind (`rank_sim_profile.KINDS`, re-applied here to the record's kernel table,
+so an old record reads with today's kinds), each beside `bytes_per_step`, the bytes its kernels
+must move at least, and `frac_copy` = bytes / time / the device-to-device copy bandwidth. The
+floor is the sum of those bytes over the copy bandwidth.
+
+The bytes (`step_bytes`) are a stated model, not a measurement:
+  - passes per step: the target forward on S x (k + 1) tokens, then the MTP drafter's k passes of
+    its one layer on [S x (k + 1), S, ...] tokens (vLLM 0.30's V2 runner; 45 MoE-layer calls per
+    step in the profile = 42 target layers + 3 drafter passes);
+  - routed experts: the distinct experts of a pass under uniform top-8 routing,
+    E (1 - (1 - 8/E)^T), x one expert's bytes on the rank (`glmctl.plan.weights`), per MoE layer;
+  - FP8 / bf16 linears: the weights of every linear the pass runs once (`glmctl.plan.weights`, the
+    FP8 and bf16 shares of each group), the LM head once per pass, the router once per MoE layer;
+  - mHC: the mixer weights (fp32) and the residual streams read and written, per block;
+  - attention: sparse MLA reads top-k cached latents per token and MLA layer, the indexer reads
+    every pooled key of the context, KDA reads and writes each request's recurrent state;
+  - activations of the linears are counted once per pass (small beside the weights).
+Uniform routing is an upper bound on the experts a real batch touches: random router weights on
+correlated hidden states may touch fewer (in the 8x22k cell the EXL3 calls took 192 us each against
+376 us for the same kernels under uniform routing in bench/exl3.py), so the experts' `frac_copy`
+here is an upper bound; bench/results/moe-decode-h200.json holds the kernel's figure at known bytes.
+Runs on CPU (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rank_sim_profile import kind_of  # noqa: E402
+
+from glmctl.plan import load_model_spec  # noqa: E402
+from glmctl.plan.kv_cache import indexer_state_bytes, kda_state_bytes, mla_bytes_per_token  # noqa: E402
+from glmctl.plan.prediction.rank import variant_formats  # noqa: E402
+from glmctl.plan.weights import (  # noqa: E402
+    BF16,
+    matrix_bytes,
+    mtp_drafter_bytes,
+    routed_experts_bytes,
+    weight_groups,
+)
+
+TP = 8
+TARGETS_MS = {"8x22k": 7.0, "1x64k": 5.0}  # issue 27
+COMPONENTS = ("routed_experts", "fp8_linear", "norms_mhc", "dense_gemm", "indexer", "mla_attention", "kda",
+              "activation", "sampler", "runner", "torch_glue", "memcpy", "other")
+KERNEL_CHOICES = {
+    "routed_experts": ("exllamav3 1.6.5 exl3_moe_coop (rot + a + b kernels; mma.sync m16n8k16, no wgmma/TMA) via "
+                       "glmctl's EXL3 method, vLLM's single_group_topk router; sm_80+ code: an sm_89 node runs "
+                       "the same kernels"),
+    "fp8_linear": ("vLLM's MarlinFP8ScaledMMLinearKernel (W8A16), forced with VLLM_DISABLED_KERNELS as on "
+                   "sm_89, where vLLM picks it first (DeepGEMM/CUTLASS block-FP8 need sm_90+)"),
+    "norms_mhc": "glmctl's Triton mHC kernels (kernels/mhc_pre_post.py; sm_89 cross-compiled, no spills)",
+    "dense_gemm": ("cuBLAS(Lt) bf16/fp32 GEMMs (nvjet sm90 kernels on the H200; an sm_89 node gets cuBLAS's "
+                   "sm_89 kernels for the same calls: the same calls, not the same kernels)"),
+    "indexer": "glmctl's Triton indexer logits, kpool writes and top-k (sm_89 configs)",
+    "mla_attention": "glmctl's Triton sparse MLA decode (sm_89 configs)",
+    "kda": "vLLM's FLA Triton kernels (fused_recurrent, causal_conv1d_update): the same on sm_89",
+    "sampler": "torch sampler (VLLM_USE_FLASHINFER_SAMPLER=0) and vLLM's Triton rejection sampler",
+}
+
+
+def parse_cell(spec: str) -> tuple[int, int]:
+    s, c = spec.lower().split("x")
+    return int(s), int(float(c[:-1]) * 1000) if c.endswith("k") else int(c)
+
+
+def distinct_experts(tokens: int, experts: int, top_k: int) -> float:
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def _fp8_bf16_split(m, formats) -> dict[str, tuple[int, int]]:
+    """(FP8 bytes, bf16 bytes) of each linear group: an FP8 group's bf16-held parts (kv_b_proj, KDA's
+    b/f/g projections, the indexer's wk) are what stays when the group is priced in bf16 instead.
+    The FP8 share is priced from the difference (2 - 1 bytes per weight; block scales, 1/16384 of it,
+    inside the rounding)."""
+    out = {}
+    fp8_groups = {g.group: g.bytes for g in weight_groups(m, TP, formats)}
+    for group in ("dense", "mla", "kda"):
+        as_bf16 = {g.group: g.bytes for g in weight_groups(m, TP, formats.model_copy(update={group: BF16}))}
+        fp8 = as_bf16[group] - fp8_groups[group] if getattr(formats, group).kind == "fp8" else 0
+        out[group] = (fp8, fp8_groups[group] - fp8)
+    return out
+
+
+def step_bytes(sessions: int, context: int, mtp: int, variant: str = "exl3") -> dict[str, float]:
+    """Bytes each component must move in one decode step (the model of the module doc)."""
+    m = load_model_spec("glm-5.3-flash")
+    formats = variant_formats(variant)
+    t_target = sessions * (mtp + 1)
+    drafter = [t_target] + [sessions] * max(0, mtp - 1) if mtp else []
+    per_expert = routed_experts_bytes(m, TP, formats.experts) / m.n_routed_experts
+    moe, h = len(m.moe_layers), m.hidden_size
+    experts = per_expert * (moe * distinct_experts(t_target, m.n_routed_experts, m.num_experts_per_tok)
+                            + sum(distinct_experts(t, m.n_routed_experts, m.num_experts_per_tok) for t in drafter))
+    split = _fp8_bf16_split(m, formats)
+    mla_layers = len(m.mla_layers)
+    # the drafter's one MLA layer + shared expert: its FP8 and bf16 shares as one target MLA layer + one shared MLP
+    shared_i = m.moe_intermediate_size * m.n_shared_experts // TP
+    shared_fp8 = 3 * h * shared_i  # gate, up, down of the shared expert, one byte per weight
+    mla_fp8_1, mla_bf16_1 = split["mla"][0] / mla_layers, split["mla"][1] / mla_layers
+    fp8 = sum(v[0] for v in split.values()) + len(drafter) * (mla_fp8_1 + shared_fp8)
+    vocab_rank = -(-m.vocab_size // 64) * 64 // TP
+    head = matrix_bytes(BF16, vocab_rank, h)
+    router = 2 * m.n_routed_experts * h
+    eh_proj = matrix_bytes(BF16, 2 * h, h)
+    bf16 = (sum(v[1] for v in split.values()) + (1 + len(drafter)) * head + moe * router
+            + len(drafter) * (mla_bf16_1 + router + eh_proj))
+    n = m.hc_mult
+    mix = (2 + n) * n
+    blocks = 2 * m.num_hidden_layers
+    mhc = blocks * (4 * mix * n * h + t_target * n * h * 2 * 2 + t_target * h * 2 * 2)
+    tokens_all = t_target * mla_layers + sum(drafter)
+    mla = tokens_all * min(m.index_topk or context, context) * mla_bytes_per_token(m, "fp8")
+    pooled = -(-context // m.index_kpool)
+    indexer = (mla_layers + len(drafter)) * sessions * pooled * indexer_state_bytes(m)
+    conv, recurrent = kda_state_bytes(m, TP, mtp)
+    kda = len(m.kda_layers) * sessions * 2 * (conv + recurrent)
+    return {"routed_experts": experts, "fp8_linear": fp8, "dense_gemm": bf16, "norms_mhc": mhc,
+            "mla_attention": mla, "indexer": indexer, "kda": kda}
+
+
+def components_of(breakdown: dict) -> tuple[dict[str, float], int]:
+    """Kernel us per iteration by today's kinds, from the record's kernel table (or its kinds)."""
+    table = breakdown.get("kernels_table")
+    if not table:
+        return dict(breakdown.get("us_per_iteration") or {}), 0
+    out: dict[str, float] = {}
+    calls = 0.0
+    for row in table:
+        name = row["name"]
+        kind = "memcpy" if name.startswith(("Memcpy", "Memset")) else kind_of(name)
+        out[kind] = out.get(kind, 0.0) + row["us_per_iteration"]
+        calls += row["calls_per_iteration"]
+    return out, round(calls)
+
+
+def cell_entry(cell: dict, mtp: int, copy_bw: float) -> dict:
+    sessions, context = parse_cell(cell["cell"])
+    b = cell.get("breakdown") or {}
+    us, launches = components_of(b)
+    need = step_bytes(sessions, context, mtp)
+    comps = []
+    for name in COMPONENTS:
+        t = us.get(name, 0.0)
+        if not t and name not in need:
+            continue
+        nbytes = need.get(name)
+        comps.append({"name": name, "us_per_step": round(t, 1),
+                      "bytes_per_step": None if nbytes is None else int(nbytes),
+                      "frac_copy": None if not (nbytes and t) else round(nbytes / (t * 1e-6) / copy_bw, 3),
+                      "kernels": KERNEL_CHOICES.get(name)})
+    busy = sum(us.values())
+    floor_ms = sum(need.values()) / copy_bw * 1e3
+    entry = {"cell": cell["cell"], "step_ms": cell.get("step_ms"), "floor_ms": round(floor_ms, 3),
+             "step_over_floor": round(cell["step_ms"] / floor_ms, 2) if cell.get("step_ms") else None,
+             "profiled_busy_ms": round(busy / 1e3, 3), "gpu_idle_us": (b.get("us_per_iteration") or {}).get(
+                 "gpu_idle_in_span"), "kernels_per_step": launches or b.get("kernels"),
+             "other_frac": round(us.get("other", 0.0) / busy, 4) if busy else None,
+             "components": comps}
+    if cell["cell"] in TARGETS_MS and cell.get("step_ms"):
+        entry["target_ms"] = TARGETS_MS[cell["cell"]]
+        entry["measured_over_target"] = round(cell["step_ms"] / TARGETS_MS[cell["cell"]], 2)
+    if not b or b.get("error"):
+        entry["not_profiled"] = (b or {}).get("error") or cell.get("no_window") or "the cell was not profiled"
+    return entry
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--copy-bw", type=float, required=True, help="device-to-device copy bytes/s (read + write)")
+    ap.add_argument("--source", required=True)
+    ap.add_argument("--note", action="append", default=[])
+    args = ap.parse_args()
+    cells, head = {}, {}
+    for path in args.records:
+        rec = json.loads(path.read_text())
+        head = head or {k: rec.get(k) for k in ("device", "vllm_version", "torch_version")}
+        mtp = int((rec.get("settings") or {}).get("mtp", 0))
+        for c in rec.get("cells", []):
+            if "x" in c.get("cell", "") and c.get("step_ms"):
+                cells[c["cell"]] = cell_entry(c, mtp, args.copy_bw)  # a later record's cell wins
+    order = ["8x22k", "1x64k", "8x64k", "8x227k"]
+    out = {**head, "source": args.source, "copy_bw_bytes_per_s": args.copy_bw,
+           "how": __doc__.split("\n\n")[1].strip(), "kernel_choices": KERNEL_CHOICES,
+           "cells": [cells[k] for k in order if k in cells] + [v for k, v in cells.items() if k not in order],
+           "missing_cells": [k for k in order if k not in cells], "notes": args.note}
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.replace(args.out)
+    print(f"{'cell':>7} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  top components (us, frac_copy)")
+    for c in out["cells"]:
+        top = sorted(c["components"], key=lambda x: -x["us_per_step"])[:5]
+        print(f"{c['cell']:>7} {c['step_ms']:>8} {c['floor_ms']:>8} {c['step_over_floor']:>7}  "
+              + ", ".join(f"{x['name']} {x['us_per_step']:.0f} ({x['frac_copy']})" for x in top))
+    if out["missing_cells"]:
+        print("missing:", ", ".join(out["missing_cells"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
