@@ -41,11 +41,15 @@ DEFAULT_PATHS = "exl3_coop,exl3_coop_lean,exl3_auto,exl3_triton,fp8_torch,bf16_t
 EXL3_PATH_NAMES = ("exl3_coop", "exl3_coop_lean", "exl3_auto", "exl3_fused", "exl3_triton")
 
 
-def routings(torch, tokens: int, n: int, device, seed: int):
+def routings(torch, tokens: int, n: int, device, seed: int, hot: int = 0):
+    """n uniform top-8 routings of `tokens` tokens; with `hot`, over the first `hot` experts only
+    (their weights then stay in L2 from call to call: the kernel's compute ceiling, not DRAM's)."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for _ in range(n):
         scores = torch.rand(tokens, EXPERTS, device=device, generator=g)
+        if hot:
+            scores[:, hot:] = -1.0
         w, ids = scores.topk(TOP_K, dim=-1)
         out.append((torch.randn(tokens, HIDDEN, device=device, generator=g).bfloat16(), ids.to(torch.int32),
                     (w / w.sum(-1, keepdim=True) * 2.5).float()))
@@ -179,7 +183,8 @@ def run(args) -> dict:
     for name, tokens in plan:
         if not paths.supports(name, tokens):
             continue
-        inputs = routings(torch, tokens, 2 if (args.warm or args.profile) else CALLS_PER_REPLAY, device, tokens)
+        inputs = routings(torch, tokens, 2 if (args.warm or args.profile) else CALLS_PER_REPLAY, device, tokens,
+                          args.hot_experts)
         try:
             fn, per_expert, note = paths.get(name, inputs)
             if args.warm or args.profile:
@@ -240,7 +245,8 @@ def run(args) -> dict:
     return {
         "what": "GLM-5.3-Flash routed experts, one MoE layer, one TP8 rank (288 experts x 256 channels, top-8)",
         "device": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,
-        "exllamav3": exl3_version, "tag": args.tag, "env": env, "copy_bw_bytes_per_s": round(bw),
+        "exllamav3": exl3_version, "tag": args.tag, "env": env, "hot_experts": args.hot_experts,
+        "copy_bw_bytes_per_s": round(bw),
         "how": f"CUDA-graph replays of {CALLS_PER_REPLAY} different uniform routings per replay (decode sizes), "
                "eager for prefill chunks; median of 5 rounds of CUDA events; random weights",
         "rows": rows, "agree": agree, "notes": notes, "fp16_clamped_values": int(paths.exl3.fp16_clamped),
@@ -322,6 +328,8 @@ def main() -> int:
     ap.add_argument("--prefill-paths", default="exl3_auto,fp8_torch,bf16_torch,fp8_vllm.vllm_default")
     ap.add_argument("--vllm-fused-moe", default=os.environ.get("VLLM_FUSED_MOE_PY"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--hot-experts", type=int, default=0,
+                    help="route among the first N experts only (L2-resident weights: the compute ceiling)")
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=None)

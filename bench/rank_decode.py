@@ -49,7 +49,6 @@ from glmctl.plan.prediction.rank import variant_formats  # noqa: E402
 from glmctl.plan.weights import (  # noqa: E402
     BF16,
     matrix_bytes,
-    mtp_drafter_bytes,
     routed_experts_bytes,
     weight_groups,
 )
