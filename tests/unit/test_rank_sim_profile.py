@@ -18,7 +18,7 @@ def _trace(path: Path, steps: int, layers: int) -> None:
     for _ in range(steps):
         for _ in range(2 * layers):
             for name, dur in (("_mix_partials_kernel", 3.0), ("_mix_finalize_kernel", 2.0),
-                              ("exl3_moe_coop_a_kernel", 10.0), ("some_small_copy", 0.5)):
+                              ("exl3_moe_coop_a_kernel", 10.0), ("mystery_small", 0.5)):
                 events.append({"cat": "kernel", "ph": "X", "name": name, "ts": ts, "dur": dur})
                 ts += dur + 0.1
     with gzip.open(path, "wt") as f:
@@ -37,5 +37,5 @@ def test_iterations_and_table(tmp_path):
     assert table["exl3_moe_coop_a_kernel"]["kind"] == "routed_experts"
     assert table["exl3_moe_coop_a_kernel"]["calls_per_iteration"] == 4
     assert table["exl3_moe_coop_a_kernel"]["us_per_iteration"] == 40.0
-    assert table["some_small_copy"]["kind"] == "other"  # 2.0 us per iteration: above the floor
+    assert table["mystery_small"]["kind"] == "other"  # 2.0 us per iteration: above the floor
     assert b["us_per_iteration"]["norms_mhc"] == 20.0
