@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rank_sim import parse_cell  # noqa: E402
 from rank_sim_profile import kind_of  # noqa: E402
 
 from glmctl.plan import load_model_spec  # noqa: E402
@@ -71,11 +72,6 @@ KERNEL_CHOICES = {
     "kda": "vLLM's FLA Triton kernels (fused_recurrent, causal_conv1d_update): the same on sm_89",
     "sampler": "torch sampler (VLLM_USE_FLASHINFER_SAMPLER=0) and vLLM's Triton rejection sampler",
 }
-
-
-def parse_cell(spec: str) -> tuple[int, int]:
-    s, c = spec.lower().split("x")
-    return int(s), int(float(c[:-1]) * 1000) if c.endswith("k") else int(c)
 
 
 def distinct_experts(tokens: int, experts: int, top_k: int) -> float:
@@ -110,7 +106,7 @@ def step_bytes(sessions: int, context: int, mtp: int, variant: str = "exl3") -> 
     mla_layers = len(m.mla_layers)
     # the drafter's one MLA layer + shared expert: its FP8 and bf16 shares as one target MLA layer + one shared MLP
     shared_i = m.moe_intermediate_size * m.n_shared_experts // TP
-    shared_fp8 = 3 * h * shared_i  # gate, up, down of the shared expert, one byte per weight
+    shared_fp8 = 2 * matrix_bytes(formats.dense, h, shared_i) + matrix_bytes(formats.dense, shared_i, h)
     mla_fp8_1, mla_bf16_1 = split["mla"][0] / mla_layers, split["mla"][1] / mla_layers
     fp8 = sum(v[0] for v in split.values()) + len(drafter) * (mla_fp8_1 + shared_fp8)
     vocab_rank = -(-m.vocab_size // 64) * 64 // TP
@@ -141,8 +137,7 @@ def components_of(breakdown: dict) -> tuple[dict[str, float], int]:
     out: dict[str, float] = {}
     calls = 0.0
     for row in table:
-        name = row["name"]
-        kind = "memcpy" if name.startswith(("Memcpy", "Memset")) else kind_of(name)
+        kind = kind_of(row["name"])
         out[kind] = out.get(kind, 0.0) + row["us_per_iteration"]
         calls += row["calls_per_iteration"]
     return out, round(calls)

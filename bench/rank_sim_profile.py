@@ -49,6 +49,8 @@ TABLE_MIN_US = 1.0  # per iteration
 
 
 def kind_of(name: str) -> str:
+    if name.startswith(("Memcpy", "Memset")):  # the profiler's names for its copy and set events
+        return "memcpy"
     low = name.lower()
     for kind, rx in _KIND_RE:
         if rx.search(low):
@@ -79,7 +81,8 @@ def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wa
     if not kernels:
         return {"error": f"{trace.name}: no kernel events"}
     per_kind: dict[str, float] = {}
-    top: dict[str, float] = {}
+    top: dict[str, float] = {}  # by name's first 120 characters
+    top90: dict[str, float] = {}  # the summary's 90-character names, summed as before
     calls: dict[str, int] = {}
     kinds: dict[str, str] = {}
     for e in kernels:
@@ -87,6 +90,7 @@ def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wa
         per_kind[k] = per_kind.get(k, 0.0) + float(e.get("dur", 0.0))
         name = e.get("name", "")[:120]
         top[name] = top.get(name, 0.0) + float(e.get("dur", 0.0))
+        top90[name[:90]] = top90.get(name[:90], 0.0) + float(e.get("dur", 0.0))
         calls[name] = calls.get(name, 0) + 1
         kinds[name] = k
     for marker in ITERATION_MARKERS:
@@ -102,8 +106,8 @@ def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wa
     result["gpu_idle_in_span"] = round(max(0.0, span - busy) / steps, 1)
     return {"trace": trace.name, "iterations": round(steps, 2), "kernels": len(kernels),
             "span_us_per_iteration": round(span / steps, 1), "us_per_iteration": result,
-            "top_kernels_us_per_iteration": {k[:90]: round(v / steps, 1) for k, v in
-                                             sorted(top.items(), key=lambda kv: -kv[1])[:25]},
+            "top_kernels_us_per_iteration": {k: round(v / steps, 1) for k, v in
+                                             sorted(top90.items(), key=lambda kv: -kv[1])[:25]},
             "kernels_table": [{"name": k, "kind": kinds[k], "calls_per_iteration": round(calls[k] / steps, 2),
                                "us_per_iteration": round(v / steps, 1)}
                               for k, v in sorted(top.items(), key=lambda kv: -kv[1]) if v / steps >= TABLE_MIN_US]}
