@@ -1,9 +1,12 @@
 """mHC blocks at GLM-5.3-Flash's shape (4 streams x 4096, 20 Sinkhorn iterations): glmctl's Triton
-kernels vs vLLM 0.30's torch path (what the engine runs on CUDA without tilelang), each captured
-in a CUDA graph and replayed, median of replays (torch.cuda.Event). A decode step of the
-reference node runs 89 fused post+pre blocks, 1 pre and 1 post per rank.
+kernels vs vLLM 0.30's torch path (what the engine runs on CUDA without tilelang), and optionally
+a baseline copy of glmctl's kernel module (``--baseline FILE.py``, e.g. the previous version) for
+an A/B. Each path runs CHAIN blocks back to back in one CUDA graph (as a decode step runs ~90 of
+them in one stream), replayed; the figure is the median replay over CHAIN (torch.cuda.Event), so
+graph-launch overhead is spread as it is in the model. A decode step of the reference node runs
+89 fused post+pre blocks, 1 pre and 1 post per rank.
 
-    python bench/mhc.py [--out FILE.json]
+    python bench/mhc.py [--out FILE.json] [--baseline FILE.py] [--chain 20]
 
 Prints one row per token count: µs per fused block for each path and the ratio; the bytes each
 block must move (residual in and out, fn once) over the measured copy bandwidth give the floor.
@@ -36,8 +39,10 @@ def _inputs(t):
     )
 
 
-def _triton(a):
-    from glmctl.kernels.mhc_pre_post import mhc_fused_post_pre
+def _triton(a, module=None):
+    if module is None:
+        from glmctl.kernels import mhc_pre_post as module
+    mhc_fused_post_pre = module.mhc_fused_post_pre
 
     return lambda: mhc_fused_post_pre(a["x"], a["residual"], a["post"], a["comb"], a["fn"],
                                       a["scale"], a["base"], **GATES, norm_weight=a["weight"],
@@ -56,13 +61,14 @@ def _torch(a):
     return run
 
 
-def graph_us(fn, replays=50) -> float:
+def graph_us(fn, replays=50, chain=1) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for _ in range(chain):
+            fn()
     times = []
     for _ in range(replays):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -70,7 +76,7 @@ def graph_us(fn, replays=50) -> float:
         g.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
+        times.append(s.elapsed_time(e) * 1e3 / chain)
     return statistics.median(times)
 
 
@@ -81,30 +87,53 @@ def copy_gbps() -> float:
     return 2 * a.numel() / us / 1e3
 
 
+def _load_module(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mhc_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--tokens", default="1,8,32,48,2048")
+    ap.add_argument("--tokens", default="1,4,8,32,48,2048")
+    ap.add_argument("--baseline", help="a copy of an earlier kernels/mhc_pre_post.py to compare")
+    ap.add_argument("--chain", type=int, default=20, help="blocks per captured graph")
     args = ap.parse_args()
+    base = _load_module(args.baseline) if args.baseline else None
     bw = copy_gbps()
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         a = _inputs(t)
-        tri, tor = graph_us(_triton(a)), graph_us(_torch(a))
+        chain = args.chain if t <= 128 else 2
+        tri, tor = graph_us(_triton(a), chain=chain), graph_us(_torch(a), chain=chain)
         moved = t * N * H * 2 * 2 + t * H * 2 + a["fn"].numel() * 4 + t * H * 2
-        rows.append(dict(tokens=t, triton_us=round(tri, 2), torch_us=round(tor, 2),
-                         speedup=round(tor / tri, 2), floor_us=round(moved / bw / 1e3, 2)))
+        row = dict(tokens=t, triton_us=round(tri, 2), torch_us=round(tor, 2),
+                   speedup=round(tor / tri, 2), floor_us=round(moved / bw / 1e3, 2))
+        if base is not None:
+            row["baseline_us"] = round(graph_us(_triton(a, base), chain=chain), 2)
+            new, old = _triton(a)(), _triton(a, base)()
+            row["max_diff_vs_baseline"] = max(float((x.float() - y.float()).abs().max())
+                                              for x, y in zip(new, old, strict=True))
+        rows.append(row)
     result = dict(device=torch.cuda.get_device_name(0), copy_GBps=round(bw, 1),
-                  torch_version=torch.__version__, method="CUDA graph replay, median of 50",
+                  torch_version=torch.__version__,
+                  method=f"CUDA graph of {args.chain} chained blocks (2 at 2,048 tokens) replayed, "
+                         "median of 50 replays / chain",
                   rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"mHC fused post+pre, {result['device']}, copy {bw:.0f} GB/s")
-    print(f"{'tokens':>7} {'triton us':>10} {'torch us':>10} {'x':>6} {'floor us':>9}")
+    print(f"{'tokens':>7} {'triton us':>10} {'baseline us':>11} {'torch us':>10} {'x':>6} "
+          f"{'floor us':>9} {'diff':>8}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['triton_us']:>10} {r['torch_us']:>10} {r['speedup']:>6} "
-              f"{r['floor_us']:>9}")
+        print(f"{r['tokens']:>7} {r['triton_us']:>10} {r.get('baseline_us', '-'):>11} "
+              f"{r['torch_us']:>10} {r['speedup']:>6} {r['floor_us']:>9} "
+              f"{r.get('max_diff_vs_baseline', '-'):>8}")
     return 0
 
 

@@ -51,11 +51,9 @@ class MixConfig:
 
 # Decode batches (a few to ~50 tokens) need hidden-dimension parallelism to fill the GPU;
 # prefill chunks have tokens to spare and a smaller workspace with wider hidden tiles.
-# Both spill no registers on sm_89 (the cross-compile test checks it). Wider hidden tiles spill:
-# (32, 256, 8 warps) spills ~10k registers and ran at 12x its byte floor at 2,048 tokens on the
-# H200 (bench/results/mhc-h200.md).
+# Both spill no registers on sm_89 (the cross-compile test checks it).
 MIX_DECODE = MixConfig("decode", block_t=16, block_h=32, num_warps=4)
-MIX_PREFILL = MixConfig("prefill", block_t=32, block_h=64, num_warps=8)
+MIX_PREFILL = MixConfig("prefill", block_t=16, block_h=64, num_warps=8)
 MIX_CONFIGS = (MIX_DECODE, MIX_PREFILL)
 DECODE_MAX_TOKENS = 128
 
@@ -76,6 +74,9 @@ def _mix_partials_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     WITH_POST: tl.constexpr, WITH_MIX: tl.constexpr,
 ):
+    # Every load is issued before the first store (tuples of tiles, one per stream): a load
+    # placed after the residual_cur store would wait for it, as the compiler cannot prove the
+    # two do not alias.
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -85,31 +86,41 @@ def _mix_partials_kernel(
     tile_mask = tmask[:, None] & hmask[None, :]
     t64 = toks.to(tl.int64)
     outs = tl.arange(0, MIX_PAD)
+    rs = ()
+    for i in tl.static_range(N):
+        rs = rs + (tl.load(res_ptr + t64[:, None] * (N * H) + i * H + hs[None, :],
+                           mask=tile_mask, other=0.0).to(tl.float32),)
+    ws = ()
+    if WITH_MIX:
+        for j in tl.static_range(N):
+            # fn[o, j*H + h] for this tile's columns, as [BLOCK_H, MIX_PAD]
+            ws = ws + (tl.load(fn_ptr + outs[None, :].to(tl.int64) * (N * H) + j * H
+                               + hs[:, None],
+                               mask=hmask[:, None] & (outs[None, :] < N3), other=0.0),)
+    if WITH_POST:
+        xv = tl.load(x_ptr + t64[:, None] * H + hs[None, :], mask=tile_mask,
+                     other=0.0).to(tl.float32)
+        ps = ()
+        cs = ()  # comb[t, i, j] at index i * N + j
+        for j in tl.static_range(N):
+            ps = ps + (tl.load(post_ptr + t64 * N + j, mask=tmask, other=0.0),)
+        for ij in tl.static_range(N * N):
+            cs = cs + (tl.load(comb_ptr + t64 * (N * N) + ij, mask=tmask, other=0.0),)
     acc = tl.zeros([BLOCK_T, MIX_PAD], dtype=tl.float32)
     sq = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in tl.static_range(N):
         if WITH_POST:
-            mixed = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            mixed = ps[j][:, None] * xv
             for i in tl.static_range(N):
-                c_ij = tl.load(comb_ptr + t64 * (N * N) + i * N + j, mask=tmask, other=0.0)
-                r_i = tl.load(res_ptr + t64[:, None] * (N * H) + i * H + hs[None, :],
-                              mask=tile_mask, other=0.0).to(tl.float32)
-                mixed += c_ij[:, None] * r_i
-            p_j = tl.load(post_ptr + t64 * N + j, mask=tmask, other=0.0)
-            xv = tl.load(x_ptr + t64[:, None] * H + hs[None, :], mask=tile_mask,
-                         other=0.0).to(tl.float32)
-            cur = (mixed + p_j[:, None] * xv).to(tl.bfloat16)
+                mixed += cs[i * N + j][:, None] * rs[i]
+            cur = mixed.to(tl.bfloat16)
             tl.store(cur_ptr + t64[:, None] * (N * H) + j * H + hs[None, :], cur, mask=tile_mask)
             v = cur.to(tl.float32)
         else:
-            v = tl.load(res_ptr + t64[:, None] * (N * H) + j * H + hs[None, :], mask=tile_mask,
-                        other=0.0).to(tl.float32)
+            v = rs[j]
         if WITH_MIX:
             sq += tl.sum(v * v, axis=1)
-            # fn[o, j*H + h] for this tile's columns, as [BLOCK_H, MIX_PAD]
-            w = tl.load(fn_ptr + outs[None, :].to(tl.int64) * (N * H) + j * H + hs[:, None],
-                        mask=hmask[:, None] & (outs[None, :] < N3), other=0.0)
-            acc += tl.dot(v, w, input_precision="ieee")
+            acc += tl.dot(v, ws[j], input_precision="ieee")
     if WITH_MIX:
         split = pid_h.to(tl.int64) * T
         tl.store(part_ptr + (split + t64[:, None]) * MIX_PAD + outs[None, :], acc,
@@ -121,15 +132,23 @@ def _mix_partials_kernel(
 def _mix_finalize_kernel(
     part_ptr, sq_ptr, cur_ptr, scale_ptr, base_ptr, norm_w_ptr,
     post_out_ptr, comb_out_ptr, lin_out_ptr,
-    T, H, num_splits, sinkhorn_repeat,
+    T, H, num_splits,
     rms_eps, pre_eps, sk_eps, post_mult, norm_eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_HF: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_S: tl.constexpr, SINKHORN_REPEAT: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     ni = tl.arange(0, BLOCK_N)
     nmask = ni < N
     cmask = nmask[:, None] & nmask[None, :]
+    hs = tl.arange(0, BLOCK_HF)
+    hmask = hs < H
+    # The token's streams and the norm weight are loaded first, beside the partials: none of
+    # them waits for the gates.
+    r = tl.load(cur_ptr + t * (N * H) + ni[:, None] * H + hs[None, :],
+                mask=nmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        nw = tl.load(norm_w_ptr + hs, mask=hmask, other=0.0).to(tl.float32)
     # Every split's partials in one load per kind, summed along the split axis: a fixed
     # reduction tree (deterministic), and no chain of dependent loads per split.
     si = tl.arange(0, BLOCK_S)
@@ -142,41 +161,43 @@ def _mix_finalize_kernel(
     m_comb = tl.sum(tl.load(rows[:, None, None] + 2 * N + ni[None, :, None] * N + ni[None, None, :],
                             mask=smask[:, None, None] & cmask[None, :, :], other=0.0), axis=0)
     sq = tl.sum(tl.load(sq_ptr + si.to(tl.int64) * T + t, mask=smask, other=0.0), axis=0)
-    rstd = tl.rsqrt(sq / (N * H) + rms_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid((m_pre * rstd) * s0 + tl.load(base_ptr + ni, mask=nmask, other=0.0)) + pre_eps
-    post = tl.sigmoid((m_post * rstd) * s1
-                      + tl.load(base_ptr + N + ni, mask=nmask, other=0.0)) * post_mult
-    logits = (m_comb * rstd) * s2 + tl.load(base_ptr + 2 * N + ni[:, None] * N + ni[None, :],
-                                             mask=cmask, other=0.0)
+    b_pre = tl.load(base_ptr + ni, mask=nmask, other=0.0)
+    b_post = tl.load(base_ptr + N + ni, mask=nmask, other=0.0)
+    b_comb = tl.load(base_ptr + 2 * N + ni[:, None] * N + ni[None, :], mask=cmask, other=0.0)
+    rstd = tl.rsqrt(sq / (N * H) + rms_eps)
+    pre = tl.sigmoid((m_pre * rstd) * s0 + b_pre) + pre_eps
+    post = tl.sigmoid((m_post * rstd) * s1 + b_post) * post_mult
+    logits = (m_comb * rstd) * s2 + b_comb
     logits = tl.where(cmask, logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     e = tl.where(cmask, e, 0.0)
     comb = tl.where(cmask, e / tl.sum(e, axis=1)[:, None] + sk_eps, 0.0)
     comb = comb / (tl.sum(comb, axis=0)[None, :] + sk_eps)
-    for _ in range(sinkhorn_repeat - 1):
+    for _ in tl.static_range(SINKHORN_REPEAT - 1):
         comb = comb / (tl.sum(comb, axis=1)[:, None] + sk_eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + sk_eps)
     tl.store(post_out_ptr + t * N + ni, post, mask=nmask)
     tl.store(comb_out_ptr + t * (N * N) + ni[:, None] * N + ni[None, :], comb, mask=cmask)
 
-    hs = tl.arange(0, BLOCK_HF)
-    hmask = hs < H
-    lin = tl.zeros([BLOCK_HF], dtype=tl.float32)
-    for i in tl.static_range(N):
-        pre_i = tl.sum(tl.where(ni == i, pre, 0.0), axis=0)
-        r_i = tl.load(cur_ptr + t * (N * H) + i * H + hs, mask=hmask, other=0.0).to(tl.float32)
-        lin += pre_i * r_i
-    lin = lin.to(tl.bfloat16)
+    lin = tl.sum(tl.where(nmask, pre, 0.0)[:, None] * r, axis=0).to(tl.bfloat16)
     if HAS_NORM:
         v = lin.to(tl.float32)
         var = tl.sum(v * v, axis=0) / H
         y = (v * tl.rsqrt(var + norm_eps)).to(tl.bfloat16)
-        w = tl.load(norm_w_ptr + hs, mask=hmask, other=0.0).to(tl.float32)
-        lin = (y.to(tl.float32) * w).to(tl.bfloat16)
+        lin = (y.to(tl.float32) * nw).to(tl.bfloat16)
     tl.store(lin_out_ptr + t * H + hs, lin, mask=hmask)
+
+
+def _sinkhorn_repeat(value) -> int:
+    # A compile-time constant (the model's, 20 for GLM-5.3-Flash): the iterations unroll, so
+    # the gates are one straight chain of register math.
+    repeat = int(value)
+    if repeat < 1:
+        raise ValueError(f"sinkhorn_repeat must be at least 1, got {repeat}")
+    return repeat
 
 
 def _mix_pad(n: int) -> int:
@@ -220,17 +241,19 @@ def _launch(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, hc_
         residual, x if with_post else residual, post_mix if with_post else part,
         comb_mix if with_post else part, cur, fn.contiguous(), part, sq, t, h,
         N=n, N3=n * (n + 2), MIX_PAD=pad, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-        WITH_POST=with_post, WITH_MIX=True, num_warps=cfg.num_warps,
+        WITH_POST=with_post, WITH_MIX=True,
+        num_warps=cfg.num_warps,
     )
     has_norm = norm_weight is not None
     _mix_finalize_kernel[(t,)](
         part, sq, cur, hc_scale.contiguous(), hc_base.contiguous(),
         norm_weight if has_norm else hc_scale, post_out, comb_out, lin,
-        t, h, splits, int(sinkhorn_repeat), float(rms_eps), float(hc_pre_eps),
+        t, h, splits, float(rms_eps), float(hc_pre_eps),
         float(hc_sinkhorn_eps), float(hc_post_mult_value), float(norm_eps),
         N=n, BLOCK_N=triton.next_power_of_2(n), MIX_PAD=pad,
         BLOCK_HF=triton.next_power_of_2(h), BLOCK_S=triton.next_power_of_2(splits),
-        HAS_NORM=has_norm, num_warps=finalize_warps(h),
+        SINKHORN_REPEAT=_sinkhorn_repeat(sinkhorn_repeat), HAS_NORM=has_norm,
+        num_warps=finalize_warps(h),
     )
     return cur, post_out, comb_out, lin
 
@@ -265,7 +288,8 @@ def mhc_post(x, residual, post_layer_mix, comb_res_mix):
         residual, x.contiguous(), post_layer_mix.reshape(t, n).float().contiguous(),
         comb_res_mix.reshape(t, n, n).float().contiguous(), cur, residual, residual, residual,
         t, h, N=n, N3=n * (n + 2), MIX_PAD=_mix_pad(n), BLOCK_T=cfg.block_t,
-        BLOCK_H=cfg.block_h, WITH_POST=True, WITH_MIX=False, num_warps=cfg.num_warps,
+        BLOCK_H=cfg.block_h, WITH_POST=True, WITH_MIX=False,
+        num_warps=cfg.num_warps,
     )
     return cur
 

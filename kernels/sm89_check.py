@@ -165,18 +165,17 @@ def _mhc_configs():
         for with_post, with_mix in ((True, True), (False, True), (True, False)):
             yield (f"mhc_mix_partials[{cfg.name} post={with_post} mix={with_mix}]",
                    mhc_pre_post._mix_partials_kernel, part_types,
-                   dict(N=4, N3=24, MIX_PAD=32, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-                        WITH_POST=with_post, WITH_MIX=with_mix),
+                   dict(N=4, N3=24, MIX_PAD=32, BLOCK_T=cfg.block_t,
+                        BLOCK_H=cfg.block_h, WITH_POST=with_post, WITH_MIX=with_mix),
                    dict(num_warps=cfg.num_warps, num_stages=1))
         yield (f"mhc_mix_finalize[{cfg.name} n4 H4096]", mhc_pre_post._mix_finalize_kernel,
                dict(part_ptr="*fp32", sq_ptr="*fp32", cur_ptr="*bf16", scale_ptr="*fp32",
                     base_ptr="*fp32", norm_w_ptr="*bf16", post_out_ptr="*fp32",
                     comb_out_ptr="*fp32", lin_out_ptr="*bf16", T=i32, H=i32, num_splits=i32,
-                    sinkhorn_repeat=i32, rms_eps=f32, pre_eps=f32, sk_eps=f32, post_mult=f32,
-                    norm_eps=f32),
+                    rms_eps=f32, pre_eps=f32, sk_eps=f32, post_mult=f32, norm_eps=f32),
                dict(N=4, BLOCK_N=4, MIX_PAD=32, BLOCK_HF=4096,
                     BLOCK_S=triton.next_power_of_2(triton.cdiv(4096, cfg.block_h)),
-                    HAS_NORM=True),
+                    SINKHORN_REPEAT=20, HAS_NORM=True),
                dict(num_warps=mhc_pre_post.finalize_warps(4096), num_stages=1))
 
 
