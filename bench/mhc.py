@@ -6,7 +6,10 @@ them in one stream), replayed; the figure is the median replay over CHAIN (torch
 graph-launch overhead is spread as it is in the model. A decode step of the reference node runs
 89 fused post+pre blocks, 1 pre and 1 post per rank.
 
-    python bench/mhc.py [--out FILE.json] [--baseline FILE.py] [--chain 20]
+    python bench/mhc.py [--out FILE.json] [--baseline FILE.py] [--chain 20] [--sweep]
+
+``--sweep`` also times every candidate partials tile and finalize warp count at the decode sizes
+(the table the decode config is picked from).
 
 Prints one row per token count: µs per fused block for each path and the ratio; the bytes each
 block must move (residual in and out, fn once) over the measured copy bandwidth give the floor.
@@ -87,6 +90,34 @@ def copy_gbps() -> float:
     return 2 * a.numel() / us / 1e3
 
 
+SWEEP_TILES = ((16, 32, 4), (16, 64, 4), (16, 16, 2), (16, 32, 2), (16, 64, 8), (32, 32, 4))
+SWEEP_TOKENS = (4, 32)
+
+
+def _sweep(chain: int) -> list[dict]:
+    """Per-block time of each candidate tile (partials) x finalize warps at the decode sizes."""
+    from glmctl.kernels import mhc_pre_post as k
+
+    pick, warps = k.mix_config, k.finalize_warps
+    rows = []
+    try:
+        for t in SWEEP_TOKENS:
+            a = _inputs(t)
+            for bt, bh, w in SWEEP_TILES:
+                for fw in (4, 8):
+                    cfg = k.MixConfig(f"{bt}x{bh}w{w}", bt, bh, w)
+                    k.mix_config = lambda _t, cfg=cfg: cfg
+                    k.finalize_warps = lambda _h, fw=fw: fw
+                    try:
+                        us = round(graph_us(_triton(a), chain=chain), 2)
+                    except Exception as exc:  # a tile the compiler refuses: say so, go on
+                        us = f"error {type(exc).__name__}"
+                    rows.append(dict(tokens=t, config=f"{cfg.name} fin{fw}", us=us))
+    finally:
+        k.mix_config, k.finalize_warps = pick, warps
+    return rows
+
+
 def _load_module(path):
     import importlib.util
 
@@ -102,6 +133,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,4,8,32,48,2048")
     ap.add_argument("--baseline", help="a copy of an earlier kernels/mhc_pre_post.py to compare")
     ap.add_argument("--chain", type=int, default=20, help="blocks per captured graph")
+    ap.add_argument("--sweep", action="store_true", help="time candidate decode configs too")
     args = ap.parse_args()
     base = _load_module(args.baseline) if args.baseline else None
     bw = copy_gbps()
@@ -119,8 +151,9 @@ def main() -> int:
             row["max_diff_vs_baseline"] = max(float((x.float() - y.float()).abs().max())
                                               for x, y in zip(new, old, strict=True))
         rows.append(row)
+    sweep = _sweep(args.chain) if args.sweep else []
     result = dict(device=torch.cuda.get_device_name(0), copy_GBps=round(bw, 1),
-                  torch_version=torch.__version__,
+                  torch_version=torch.__version__, sweep=sweep,
                   method=f"CUDA graph of {args.chain} chained blocks (2 at 2,048 tokens) replayed, "
                          "median of 50 replays / chain",
                   rows=rows)
@@ -134,6 +167,8 @@ def main() -> int:
         print(f"{r['tokens']:>7} {r['triton_us']:>10} {r.get('baseline_us', '-'):>11} "
               f"{r['torch_us']:>10} {r['speedup']:>6} {r['floor_us']:>9} "
               f"{r.get('max_diff_vs_baseline', '-'):>8}")
+    for r in sweep:
+        print(f"sweep t={r['tokens']:<3} {r['config']:<24} {r['us']:>7}")
     return 0
 
 
