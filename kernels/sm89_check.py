@@ -25,7 +25,10 @@ SM89_SHARED_LIMIT = 101376
 # strides of 512 / 656 / 1024 elements or bytes, 2176-wide index rows, page strides of 8448 B).
 DIVISIBLE = {"q_stride_t", "q_stride_h", "row_stride", "num_rows", "idx_stride_t", "topk",
              "out_stride_t", "out_stride_s", "out_stride_h", "split_len", "page_stride",
-             "bt_stride", "out_stride", "logits_stride"}
+             "bt_stride", "out_stride", "logits_stride",
+             # the block-FP8 linears: bf16 activations' and fp8 weights' row strides, N and K
+             # (TP8 slices of GLM-5.3-Flash's projections are multiples of 128)
+             "x_stride_m", "w_stride_n", "size_n", "size_k"}
 
 
 def shipped_configs():
@@ -149,6 +152,9 @@ def shipped_configs():
                     CAP=cap, T0_STEPS=cfg.t0_steps, BLOCK=1024),
                dict(num_warps=cfg.num_warps, num_stages=1))
     yield from _mhc_configs()
+    from . import fp8_block_linear
+
+    yield from fp8_block_linear.sm89_configs()
 
 
 def _mhc_configs():

@@ -42,6 +42,21 @@ def _fix_cpu_cache_config(vllm_config) -> None:
         if wanted != cache_config.block_size:
             cache_config.block_size = wanted
 
+    # On a CPU with AMX tiles vLLM CPU keeps chunked prefill and prefix caching on for MLA models,
+    # for its AMX MLA backend (platforms/cpu.py, `amx_mla_or_dsv4_enabled`). GLM-5.3-Flash's MLA
+    # layers run on glmctl's sparse backend instead, and prefix caching's "align" mode for the KDA
+    # state needs vLLM's Triton mamba kernels, which vLLM CPU does not have. Apply what vLLM CPU
+    # does on every other CPU, so that a run (and the planner's prediction) is the same on any host.
+    if model_config.use_mla and (cache_config.enable_prefix_caching
+                                 or vllm_config.scheduler_config.enable_chunked_prefill):
+        logger.info("glmctl plugin: chunked prefill and prefix caching off on vLLM CPU (GLM-5.3-Flash's "
+                    "MLA layers run on glmctl's sparse backend, not vLLM's AMX MLA backend)")
+        scheduler_config = vllm_config.scheduler_config
+        scheduler_config.enable_chunked_prefill = False
+        cache_config.enable_prefix_caching = False
+        scheduler_config.max_num_batched_tokens = max(model_config.max_model_len,
+                                                      scheduler_config.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
     # vLLM CPU turns prefix caching off for MLA models *after* the hybrid-model defaults set
     # mamba_block_size for prefix caching, which then fails validation
     # ("--mamba-block-size can only be set with --enable-prefix-caching"). Restore the

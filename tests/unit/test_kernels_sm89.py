@@ -32,7 +32,8 @@ def test_every_shipped_config_fits_sm89():
     names = {row["kernel"].split("[")[0] for row in rows}
     assert names >= {"sparse_mla", "sparse_mla_heads_n", "sparse_mla_combine", "mla_cache_write",
                      "indexer_logits_paged", "indexer_logits_ragged", "kpool_topk",
-                     "kpool_topk_slices", "kpool_topk_threshold", "mhc_mix_partials", "mhc_mix_finalize"}
+                     "kpool_topk_slices", "kpool_topk_threshold", "mhc_mix_partials", "mhc_mix_finalize",
+                     "fp8_block_linear", "fp8_block_linear_reduce"}
     # Every cache layout's attention and cache-write kernels are among them.
     kernels = {row["kernel"] for row in rows}
     for fmt in ("bf16", "fp8", "fp8_ds_mla"):
