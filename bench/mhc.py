@@ -18,6 +18,7 @@ block must move (residual in and out, fn once) over the measured copy bandwidth 
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import statistics
 
@@ -123,6 +124,7 @@ def _load_module(path):
 
     spec = importlib.util.spec_from_file_location("mhc_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 

@@ -82,9 +82,12 @@ fi
 if [ "${1:-}" = "--detach" ]; then
   shift
   rm -rf "$JOB" && mkdir -p "$JOB/out"
+  # The job runs from its own copy of the tree: the device tool re-copies the working tree at every
+  # later call (a collect call included), which must not change what a running job imports.
+  mkdir -p "$JOB/tree" && tar -C "$ROOT" --exclude=./.git --exclude=./.stage --exclude=./out -cf - . | tar -C "$JOB/tree" -xf -
   touch "$JOB/running"
-  RANK_SIM_SECONDS=${RANK_SIM_SECONDS:-1050} OUT="$JOB/out" setsid nohup bash "$0" "$@" > "$JOB/job.log" 2>&1 \
-    < /dev/null &
+  RANK_SIM_SECONDS=${RANK_SIM_SECONDS:-1050} OUT="$JOB/out" setsid nohup bash "$JOB/tree/bench/gpu/rank_sim.sh" "$@" \
+    > "$JOB/job.log" 2>&1 < /dev/null &
   echo "detached: pid $!, log $JOB/job.log; collect with: bash bench/gpu/rank_sim.sh --collect SECONDS"
   exit 0
 fi

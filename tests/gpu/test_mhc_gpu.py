@@ -39,11 +39,13 @@ def _inputs(t, seed):
     return residual, x, fn, scale, base, post, comb, weight
 
 
-def _steps(a, b, steps):
+def _steps(a, b, steps, atol=1e-6):
     """|a - b| within `steps` bf16 rounding steps; a step is taken at the larger magnitude, since
-    two values either side of a power of two differ by the upper binade's step."""
+    two values either side of a power of two differ by the upper binade's step. `atol` (a tensor
+    where the error scales with the terms summed, not with the result) bounds what cancellation
+    leaves: a near-zero sum of large terms differs by the terms' error, not the sum's step."""
     diff = (a.float() - b.float()).abs()
-    tol = steps * 2 ** -7 * torch.maximum(a.float().abs(), b.float().abs()) + 1e-6
+    tol = steps * 2 ** -7 * torch.maximum(a.float().abs(), b.float().abs()) + atol
     assert torch.all(diff <= tol), f"max excess {(diff - tol).max().item():.3g}"
 
 
@@ -73,7 +75,10 @@ def test_pre_and_post_match_vllm_torch_functions(t):
     post_v, comb_v, lin_v = vk.mhc_pre_torch(residual, fn, scale, base, **GATES)
     torch.testing.assert_close(post, post_v, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(comb, comb_v, rtol=1e-4, atol=1e-5)
-    _steps(lin, lin_v, 1)
+    # lin = sum_j pre_j * residual_j: the two implementations' pre gates agree to ~1e-5 (their
+    # 16,384-term dots differ in summation order), so an element where the streams cancel differs
+    # by up to ~1e-5 of the terms' magnitude, more than one step of the near-zero result.
+    _steps(lin, lin_v, 1, atol=1e-5 * residual.float().abs().sum(1) + 1e-6)
     _steps(mhc_pre_post.mhc_post(x, residual, post_in, comb_in),
            vk.mhc_post_torch(x, residual, post_in, comb_in), 1)
 
