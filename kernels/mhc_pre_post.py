@@ -52,7 +52,7 @@ class MixConfig:
 # Decode batches (a few to ~50 tokens) need hidden-dimension parallelism to fill the GPU;
 # prefill chunks have tokens to spare and a smaller workspace with wider hidden tiles.
 # Both spill no registers on sm_89 (the cross-compile test checks it).
-MIX_DECODE = MixConfig("decode", block_t=16, block_h=32, num_warps=4)
+MIX_DECODE = MixConfig("decode", block_t=16, block_h=16, num_warps=2)
 MIX_PREFILL = MixConfig("prefill", block_t=16, block_h=64, num_warps=8)
 MIX_CONFIGS = (MIX_DECODE, MIX_PREFILL)
 DECODE_MAX_TOKENS = 128
