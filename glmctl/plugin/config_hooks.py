@@ -49,7 +49,7 @@ def _fix_cpu_cache_config(vllm_config) -> None:
     # does on every other CPU, so that a run (and the planner's prediction) is the same on any host.
     if model_config.use_mla and (cache_config.enable_prefix_caching
                                  or vllm_config.scheduler_config.enable_chunked_prefill):
-        logger.info("glmctl plugin: chunked prefill and prefix caching off on vLLM CPU (GLM-5.3-Flash's "
+        logger.info("glmctl config: chunked prefill and prefix caching off on vLLM CPU (GLM-5.3-Flash's "
                     "MLA layers run on glmctl's sparse backend, not vLLM's AMX MLA backend)")
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.enable_chunked_prefill = False
