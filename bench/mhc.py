@@ -18,9 +18,9 @@ block must move (residual in and out, fn once) over the measured copy bandwidth 
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import statistics
+import sys
 
 import torch
 

@@ -16,9 +16,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/round}
 mkdir -p "$OUT"
-[ -e glmctl/kernels ] || ln -s ../kernels glmctl/kernels
-[ -e glmctl/quantize ] || ln -s ../quantize glmctl/quantize
-[ -e glmctl/profiles ] || ln -s ../profiles glmctl/profiles
+# pyproject's package mapping by symlinks, as bench/gpu/vllm_lane.sh and rank_sim.sh make it
+for p in kernels quantize profiles; do [ -e "glmctl/$p" ] || ln -s "../$p" "glmctl/$p"; done
 export PYTHONPATH=${PYTHONPATH:-/tmp/vsite}:$PWD
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 VLLM_USE_FLASHINFER_SAMPLER=0
 LIMIT=${ROUND_STEP_SECONDS:-150}

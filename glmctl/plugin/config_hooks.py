@@ -47,11 +47,10 @@ def _fix_cpu_cache_config(vllm_config) -> None:
     # layers run on glmctl's sparse backend instead, and prefix caching's "align" mode for the KDA
     # state needs vLLM's Triton mamba kernels, which vLLM CPU does not have. Apply what vLLM CPU
     # does on every other CPU, so that a run (and the planner's prediction) is the same on any host.
-    if model_config.use_mla and (cache_config.enable_prefix_caching
-                                 or vllm_config.scheduler_config.enable_chunked_prefill):
+    scheduler_config = vllm_config.scheduler_config
+    if model_config.use_mla and (cache_config.enable_prefix_caching or scheduler_config.enable_chunked_prefill):
         logger.info("glmctl config: chunked prefill and prefix caching off on vLLM CPU (GLM-5.3-Flash's "
                     "MLA layers run on glmctl's sparse backend, not vLLM's AMX MLA backend)")
-        scheduler_config = vllm_config.scheduler_config
         scheduler_config.enable_chunked_prefill = False
         cache_config.enable_prefix_caching = False
         scheduler_config.max_num_batched_tokens = max(model_config.max_model_len,
