@@ -130,6 +130,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("GLMCTL_FP8_ATTENTION_METHOD", "choice", PLUGIN,
        "the FP8 units' linear method: vLLM's Fp8LinearMethod, or exact dequantisation at load",
        default="auto", choices=("auto", "vllm", "dequant"), shown_default="auto (dequant on CPU, vllm on GPUs)"),
+    Switch("GLMCTL_FP8_LINEAR", "choice", PLUGIN,
+       "the kernel of block-FP8 linears held in FP8 on CUDA: glmctl's Triton W8A16, or vLLM's choice "
+       "(Marlin W8A16 on sm_8x)",
+       default="auto", choices=("auto", "glmctl", "vllm"), shown_default="auto (glmctl on sm_89+, else vllm)"),
     Switch("GLMCTL_MHC", "choice", PLUGIN, "which implementation runs the mHC ops",
        default="auto", choices=("auto", "tilelang", "triton", "torch"),
        shown_default="auto (tilelang on sm_90+ where importable, else triton; torch on CPU)"),

@@ -1,4 +1,4 @@
-"""Block-FP8 weight-only linear for decode batches: y[M, N] = x[M, K] @ dequant(W)^T (+ bias).
+"""Block-FP8 weight-only linear: y[M, N] = x[M, K] @ dequant(W)^T (+ bias), W8A16 at every M.
 
 Layouts (the checkpoint's, unchanged by loading):
   - ``x``: [M, K] bf16 (any row stride, unit column stride);
@@ -6,20 +6,27 @@ Layouts (the checkpoint's, unchanged by loading):
   - ``weight_scale_inv``: [ceil(N/128), ceil(K/128)] fp32, row-major; element (i, j) multiplies
     the 128x128 block W[128i:128i+128, 128j:128j+128];
   - ``bias``: [N] (any float dtype) or None; ``y``: [M, N] bf16, contiguous.
+A fused GEMM whose shards are whole 128-row blocks (all but the last, as vLLM's
+``validate_fp8_block_shape`` requires) has exactly this layout over its concatenated rows.
 
-One program owns ``block_n`` output columns of every token (``block_m`` >= M rows, padded to at
-least 16 for the mma) and one split of K: it streams its weight tiles [block_n, 128] once,
-converts e4m3 -> bf16 in registers (exact: every e4m3 value is a bf16 value), takes the
-bf16 x fp32-accumulated product of the tile and multiplies it by the tile's block scale before
-adding it to the fp32 accumulator. Each weight byte is read by exactly one program.
+One program owns a [block_m, block_n] output tile and one split of K: it streams its weight
+tiles [block_n, 128] once, converts e4m3 -> bf16 in registers (exact: every e4m3 value is a bf16
+value), takes the bf16 x fp32-accumulated product of the tile and multiplies it by the tile's
+block scale before adding it to the fp32 accumulator. Each weight byte is read by exactly one
+program per M tile (decode batches have one M tile).
 
-Split-K (``split_k`` > 1, where N alone gives too few programs): split s covers the K blocks
-[s * blocks_per_split, (s + 1) * blocks_per_split) and writes fp32 partials [split_k, M, N];
-a second kernel sums them in split order (0, 1, ...), adds the bias and rounds to bf16 once.
-No atomics, so results are bit-for-bit deterministic; the partials come from torch's caching
-allocator (graph-private pool under CUDA-graph capture, no host sync).
+Split-K, one launch: where the output tiles alone give fewer than ``TARGET_PROGRAMS`` programs,
+K is cut into ``split_k`` ranges of whole 128-wide blocks. Every split stores its fp32 partial
+tile to ``part`` [split_k, M, N], then takes a ticket from the tile's arrival counter; the
+program that arrives last sums the partials in split order (0, 1, ...), adds the bias, rounds to
+bf16 once, and resets the counter to 0 for the next call. No float atomics, so results are
+bit-for-bit deterministic; the counters (``new_counters()``, zero at rest, one per output tile:
+split-K only happens below ``TARGET_PROGRAMS`` tiles) belong to the caller and must not be shared
+by two launches in flight at once (one per layer). Without counters the splits are summed by a
+second kernel in the same order (same bits). Partials come from torch's caching allocator
+(graph-private pool under CUDA-graph capture, no host sync).
 
-`plan(M, N, K)` picks a named config from ``CONFIGS`` and the split from shapes only.
+`plan(M, N, K)` picks a named config and the split from shapes only (CUDA-graph safe).
 ``fp8_block_linear_ref`` is the reference: dequantise in fp32, fp32 matmul.
 """
 
@@ -34,7 +41,7 @@ import triton.language as tl
 from .triton_env import dot_dtype
 
 BLOCK = 128  # the checkpoint's scale block, K tile of every config
-MAX_M = 64  # the decode path covers M <= MAX_M (one M tile)
+DECODE_MAX_M = 64  # one M tile of a decode config holds the batch
 TARGET_PROGRAMS = 264  # ~2 programs per SM on a 132-SM H200 (142 on an L40): shapes only, no device query
 MIN_BLOCKS_PER_SPLIT = 2  # a split streams at least two 128-wide K tiles
 MAX_SPLIT_K = 16
@@ -64,7 +71,10 @@ CONFIGS: dict[str, Fp8LinearConfig] = {c.name: c for c in (
     Fp8LinearConfig("m32_n64", block_m=32, block_n=64, num_warps=4, num_stages=4),
     Fp8LinearConfig("m64_n32", block_m=64, block_n=32, num_warps=4, num_stages=3),
     Fp8LinearConfig("m64_n64", block_m=64, block_n=64, num_warps=4, num_stages=3),
+    # prefill chunks: 64 x 128 output tiles, 2 x 32 KiB operand stages
+    Fp8LinearConfig("prefill_m64_n128", block_m=64, block_n=128, num_warps=8, num_stages=2),
 )}
+PREFILL = CONFIGS["prefill_m64_n128"]
 REDUCE_BLOCK = 1024
 
 
@@ -74,39 +84,53 @@ class Fp8LinearPlan:
     split_k: int
     blocks_per_split: int
 
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return (triton.cdiv(n, self.config.block_n), self.split_k, triton.cdiv(m, self.config.block_m))
+
 
 def plan(m: int, n: int, k: int) -> Fp8LinearPlan:
-    """The config and split for an [m, k] x [n, k]^T product (m <= MAX_M), from shapes only.
+    """The config and split for an [m, k] x [n, k]^T product, from shapes only.
 
-    block_m: the smallest of 16 / 32 / 64 that holds m. block_n: 64, or 32 when 64-wide tiles
-    with the largest split allowed would still leave fewer than ~1 program per SM. split_k:
-    the fewest splits that bring the programs to TARGET_PROGRAMS, each split at least
-    MIN_BLOCKS_PER_SPLIT K tiles, at most MAX_SPLIT_K."""
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"fp8_block_linear's decode path takes 1..{MAX_M} rows, got {m}")
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    m <= DECODE_MAX_M: block_m the smallest of 16 / 32 / 64 that holds m; block_n 64, or 32 when
+    64-wide tiles with the largest split allowed would still leave fewer than ~1 program per SM.
+    Larger m: the prefill tile. split_k: the fewest splits that bring the programs to
+    TARGET_PROGRAMS, each split at least MIN_BLOCKS_PER_SPLIT K tiles, at most MAX_SPLIT_K (so a
+    split launch always has fewer than TARGET_PROGRAMS output tiles)."""
+    if m < 1:
+        raise ValueError(f"fp8_block_linear needs at least one row, got {m}")
     k_blocks = triton.cdiv(k, BLOCK)
     max_split = max(1, min(MAX_SPLIT_K, k_blocks // MIN_BLOCKS_PER_SPLIT))
-    block_n = 64
-    if triton.cdiv(n, 64) * max_split < TARGET_PROGRAMS // 2:
-        block_n = 32
-    tiles = triton.cdiv(n, block_n)
+    if m <= DECODE_MAX_M:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n = 64
+        if triton.cdiv(n, 64) * max_split < TARGET_PROGRAMS // 2:
+            block_n = 32
+        cfg = CONFIGS[f"m{block_m}_n{block_n}"]
+    else:
+        cfg = PREFILL
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     split = max(1, min(max_split, triton.cdiv(TARGET_PROGRAMS, tiles)))
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)  # no empty split
-    return Fp8LinearPlan(CONFIGS[f"m{block_m}_n{block_n}"], split, per_split)
+    return Fp8LinearPlan(cfg, split, per_split)
+
+
+def new_counters(device) -> torch.Tensor:
+    """Arrival counters for one caller's split-K launches: int32 zeros, one per output tile."""
+    return torch.zeros(TARGET_PROGRAMS, dtype=torch.int32, device=device)
 
 
 @triton.jit
 def _fp8_block_linear_kernel(
-    x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr,
+    x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, size_n, size_k, blocks_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
@@ -129,23 +153,41 @@ def _fp8_block_linear_kernel(
         part = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), out_dtype=tl.float32)
         acc += part * scale[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
+    tile = offs_m[:, None] * size_n + offs_n[None, :]
     if SPLIT:
-        tl.store(part_ptr + (pid_s * M + offs_m[:, None]) * size_n + offs_n[None, :], acc, mask=mask)
+        total = M * size_n
+        tl.store(part_ptr + pid_s * total + tile, acc, mask=mask)
+        if LAST_REDUCES:
+            # Every thread's partial store is issued before the ticket (the barrier), and the
+            # ticket's release makes them visible at GPU scope; the last arrival's acquire orders
+            # its loads after every other split's release. Loads go through L2 (.cg): this SM's
+            # L1 never held those lines, but nothing here relies on that.
+            tl.debug_barrier()
+            counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            splits = tl.num_programs(1)
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == splits - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, splits):  # fixed order: deterministic
+                    acc += tl.load(part_ptr + s * total + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * size_n + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, size_n, split_k,
+def _fp8_block_split_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, size_n, split_k,
                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     total = M * size_n
     mask = offs < total
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, split_k):  # fixed order: deterministic
+    for s in range(0, split_k):  # fixed order: the same sums as the last arrival's
         acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % size_n, mask=mask, other=0.0).to(tl.float32)
@@ -153,9 +195,12 @@ def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, size_n, split_k,
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                     bias: torch.Tensor | None = None, config: Fp8LinearPlan | None = None) -> torch.Tensor:
-    """y = x @ dequant(weight, weight_scale_inv)^T (+ bias), bf16 [*, N], for x [*, K] with at
-    most MAX_M rows. `config`: a plan to use instead of `plan(M, N, K)` (benchmarks)."""
+                     bias: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                     config: Fp8LinearPlan | None = None) -> torch.Tensor:
+    """y = x @ dequant(weight, weight_scale_inv)^T (+ bias), bf16 [*, N], for x [*, K].
+
+    `counters`: the caller's `new_counters()` (split-K in one launch); None sums the splits in a
+    second launch. `config`: a plan to use instead of `plan(M, N, K)` (benchmarks)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -172,17 +217,21 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         return out.view(*lead, n)
     p = config or plan(m, n, k)
     cfg = p.config
+    grid = p.grid(m, n)
     split = p.split_k > 1
+    last_reduces = split and counters is not None
+    if last_reduces and counters.numel() < grid[0] * grid[2]:
+        raise ValueError(f"{counters.numel()} counters for {grid[0] * grid[2]} split-K output tiles")
     part = torch.empty((p.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
-    _fp8_block_linear_kernel[(triton.cdiv(n, cfg.block_n), p.split_k)](
+    _fp8_block_linear_kernel[grid](
         x2, x2.stride(0), weight, weight.stride(0), weight_scale_inv, weight_scale_inv.stride(0),
-        bias_arg, out, part, m, n, k, p.blocks_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SPLIT=split, HAS_BIAS=has_bias,
-        DOT_DTYPE=dot_dtype(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split:
-        _split_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+        bias_arg, out, part, counters if last_reduces else out, m, n, k, p.blocks_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SPLIT=split, LAST_REDUCES=last_reduces,
+        HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split and not last_reduces:
+        _fp8_block_split_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, bias_arg, out, m, n, p.split_k, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
             num_warps=4)
     return out.view(*lead, n)
@@ -207,14 +256,15 @@ def sm89_configs():
     import triton.language as tl
 
     types = dict(x_ptr="*bf16", x_stride_m="i32", w_ptr="*fp8e4nv", w_stride_n="i32", s_ptr="*fp32",
-                 s_stride_n="i32", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", M="i32",
-                 size_n="i32", size_k="i32", blocks_per_split="i32")
+                 s_stride_n="i32", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32",
+                 M="i32", size_n="i32", size_k="i32", blocks_per_split="i32")
     for cfg in CONFIGS.values():
-        for split in (False, True):
-            yield (f"fp8_block_linear[{cfg.name}{' split' if split else ''}]", _fp8_block_linear_kernel,
+        for split, last in ((False, False), (True, False), (True, True)):
+            tag = " split-last" if last else " split" if split else ""
+            yield (f"fp8_block_linear[{cfg.name}{tag}]", _fp8_block_linear_kernel,
                    types, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SPLIT=split,
-                               HAS_BIAS=False, DOT_DTYPE=tl.bfloat16),
+                               LAST_REDUCES=last, HAS_BIAS=False, DOT_DTYPE=tl.bfloat16),
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    yield ("fp8_block_linear_reduce", _split_reduce_kernel,
+    yield ("fp8_block_linear_reduce", _fp8_block_split_reduce_kernel,
            dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", M="i32", size_n="i32", split_k="i32"),
            dict(HAS_BIAS=False, BLOCK=REDUCE_BLOCK), dict(num_warps=4, num_stages=1))

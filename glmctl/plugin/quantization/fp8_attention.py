@@ -77,6 +77,7 @@ def install_model_hooks() -> None:
     import vllm.models.glm5next  # noqa: F401
     from vllm.models.glm5next.nvidia import attention, kda, model, mtp
 
+    from glmctl.plugin.quantization.fp8_glmctl import install_fp8_linear_kernel
     from glmctl.plugin.quantization.fp8_loading import wrap_load_weights
 
     for cls, name, make in ((kda.Glm5NextLinearAttention, "__init__", _kda_init),
@@ -84,6 +85,7 @@ def install_model_hooks() -> None:
                             (model.Glm5NextModel, "load_weights", wrap_load_weights),
                             (mtp.Glm5NextMTP, "load_weights", wrap_load_weights)):
         wrap_once(cls, name, make, "fp8_attention")
+    install_fp8_linear_kernel()
 
 
 # -- which units are FP8 -----------------------------------------------------------------------------

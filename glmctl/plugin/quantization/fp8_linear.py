@@ -29,14 +29,9 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-    create_fp8_scale_parameter,
-    create_fp8_weight_parameter,
-    validate_fp8_block_shape,
-)
-from vllm.model_executor.parameter import BlockQuantScaleParameter
 from vllm.model_executor.utils import replace_parameter
 
+from glmctl.plugin.quantization.fp8_glmctl import create_block_fp8_weights
 from glmctl.quantize.fp8 import dequantize_block_fp8
 
 
@@ -56,6 +51,11 @@ def fp8_linear_method(inner, kind: str, prefix: str):
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
     from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
 
+    from glmctl.plugin.quantization.fp8_glmctl import GlmctlFp8LinearMethod, current_linear_kernel
+
+    if (current_linear_kernel() == "glmctl" and list(inner.weight_block_size) == [128, 128]
+            and not getattr(inner, "is_scale_e8m0", False)):
+        return GlmctlFp8LinearMethod(inner.weight_block_size)
     method = Fp8LinearMethod(inner)
     method.marlin_input_dtype = get_marlin_input_dtype(prefix)  # as Fp8Config.get_quant_method
     return method
@@ -111,19 +111,9 @@ class Fp8DequantLinearMethod(UnquantizedLinearMethod):
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
-        weight_loader = extra_weight_attrs.get("weight_loader")
-        layer.logical_widths = output_partition_sizes
-        layer.input_size_per_partition = input_size_per_partition
-        layer.output_size_per_partition = sum(output_partition_sizes)
-        layer.orig_dtype = params_dtype
-        layer.weight_block_size = self.weight_block_size
-        validate_fp8_block_shape(layer, input_size, output_size, input_size_per_partition,
-                                 output_partition_sizes, self.weight_block_size)
-        layer.register_parameter("weight", create_fp8_weight_parameter(
-            layer.output_size_per_partition, input_size_per_partition, weight_loader))
-        layer.register_parameter("weight_scale_inv", create_fp8_scale_parameter(
-            BlockQuantScaleParameter, output_partition_sizes, input_size_per_partition,
-            self.weight_block_size, weight_loader))
+        create_block_fp8_weights(layer, self.weight_block_size, input_size_per_partition,
+                                 output_partition_sizes, input_size, output_size, params_dtype,
+                                 extra_weight_attrs.get("weight_loader"))
 
     def process_weights_after_loading(self, layer) -> None:
         replace_parameter(layer, "weight", dequantized_weight(layer, self.block))
