@@ -133,7 +133,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("GLMCTL_FP8_LINEAR", "choice", PLUGIN,
        "the kernel of block-FP8 linears held in FP8 on CUDA: glmctl's Triton W8A16, or vLLM's choice "
        "(Marlin W8A16 on sm_8x)",
-       default="auto", choices=("auto", "glmctl", "vllm"), shown_default="auto (glmctl on sm_89+, else vllm)"),
+       default="auto", choices=("auto", "glmctl", "vllm"), shown_default="auto (vllm's choice)"),
     Switch("GLMCTL_MHC", "choice", PLUGIN, "which implementation runs the mHC ops",
        default="auto", choices=("auto", "tilelang", "triton", "torch"),
        shown_default="auto (tilelang on sm_90+ where importable, else triton; torch on CPU)"),

@@ -39,14 +39,15 @@ def _interpreter(monkeypatch):
 
 def test_which_gpus_get_the_triton_kernel():
     kernel = fp8_glmctl.linear_kernel
-    assert kernel(None, {}) == "vllm"  # not CUDA
-    assert kernel((8, 9), {}) == "glmctl"  # L40
-    assert kernel((9, 0), {}) == "glmctl"
-    assert kernel((8, 6), {}) == "vllm"  # Ampere: no fp8e4nv in Triton
+    glmctl = {"GLMCTL_FP8_LINEAR": "glmctl"}
+    assert kernel(None, glmctl) == "vllm"  # not CUDA
+    assert kernel((8, 9), glmctl) == "glmctl"  # L40
+    assert kernel((9, 0), glmctl) == "glmctl"
+    assert kernel((8, 9), {}) == "vllm"  # auto: vLLM's choice
     assert kernel((8, 9), {"GLMCTL_FP8_LINEAR": "vllm"}) == "vllm"
     assert kernel((8, 0), {"GLMCTL_FP8_LINEAR": "vllm"}) == "vllm"
     with pytest.raises(ConfigError, match="sm_89"):
-        kernel((8, 6), {"GLMCTL_FP8_LINEAR": "glmctl"})
+        kernel((8, 6), glmctl)  # Ampere: no fp8e4nv in Triton
     with pytest.raises(ConfigError):
         kernel((9, 0), {"GLMCTL_FP8_LINEAR": "marlin"})
 

@@ -11,7 +11,7 @@ its split-K arrival counters (zero at rest), so no two launches in flight share 
 Which layers: every block-FP8 linear vLLM would build with `Fp8LinearMethod` on a GLM-5.3-Flash
 checkpoint (the attention units of `fp8_attention`, and through `install_fp8_linear_kernel` the
 checkpoint's own block-FP8 linears: shared experts, dense MLPs, MTP), when `linear_kernel()`
-says "glmctl" (GLMCTL_FP8_LINEAR; auto: sm_89 and newer, where Triton has fp8e4nv).
+says "glmctl" (GLMCTL_FP8_LINEAR=glmctl, on sm_89 and newer, where Triton has fp8e4nv).
 """
 
 # No `from __future__ import annotations`: torch infers the op schema from the annotations.
@@ -39,16 +39,16 @@ _logged = False
 
 def linear_kernel(capability, env=None) -> str:
     """"glmctl" or "vllm": which kernel runs block-FP8 linears held in FP8 on this GPU.
-    `capability`: (major, minor), or None off CUDA (always "vllm" there)."""
+    `capability`: (major, minor), or None off CUDA (always "vllm" there). auto is vLLM's choice
+    until glmctl's kernel has passed the GPU lane inside vLLM (the kernel's own GPU tests and its
+    Marlin A/B are in tests/gpu/test_fp8_linear_gpu.py and bench/gpu/fp8_linear_bench.py)."""
     value = switches.read("GLMCTL_FP8_LINEAR", env)
-    if capability is None or value == "vllm":
+    if capability is None or value != "glmctl":
         return "vllm"
     if tuple(capability) < MIN_CAPABILITY:
-        if value == "glmctl":
-            raise ConfigError(f"GLMCTL_FP8_LINEAR=glmctl needs sm_89 or newer (this GPU is sm_{capability[0]}"
-                              f"{capability[1]}: Triton has no fp8e4nv below sm_89)",
-                              hint="unset GLMCTL_FP8_LINEAR (auto) or set it to vllm (Marlin)")
-        return "vllm"
+        raise ConfigError(f"GLMCTL_FP8_LINEAR=glmctl needs sm_89 or newer (this GPU is sm_{capability[0]}"
+                          f"{capability[1]}: Triton has no fp8e4nv below sm_89)",
+                          hint="unset GLMCTL_FP8_LINEAR (auto) or set it to vllm (Marlin)")
     return "glmctl"
 
 
