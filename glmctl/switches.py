@@ -134,6 +134,9 @@ SWITCHES: tuple[Switch, ...] = (
        "the kernel of block-FP8 linears held in FP8 on CUDA: glmctl's Triton W8A16, or vLLM's choice "
        "(Marlin W8A16 on sm_8x)",
        default="auto", choices=("auto", "glmctl", "vllm"), shown_default="auto (vllm's choice)"),
+    Switch("GLMCTL_ROUTER_GEMM", "choice", PLUGIN,
+       "the MoE router's logits on CUDA: glmctl's weight-streaming GEMV for decode batches, or vLLM's "
+       "cuBLAS call", default="auto", choices=("auto", "glmctl", "vllm"), shown_default="auto (vllm's)"),
     Switch("GLMCTL_MHC", "choice", PLUGIN, "which implementation runs the mHC ops",
        default="auto", choices=("auto", "tilelang", "triton", "torch"),
        shown_default="auto (tilelang on sm_90+ where importable, else triton; torch on CPU)"),

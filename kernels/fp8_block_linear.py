@@ -26,8 +26,12 @@ by two launches in flight at once (one per layer). Without counters the splits a
 second kernel in the same order (same bits). Partials come from torch's caching allocator
 (graph-private pool under CUDA-graph capture, no host sync).
 
+``bf16_linear`` runs the same kernel on a bf16 weight [N, K] without scales (``SCALED`` off)
+into any output dtype: the MoE router's fp32 logits, a GEMV that cuBLAS splits over two kernels.
+
 `plan(M, N, K)` picks a named config and the split from shapes only (CUDA-graph safe).
-``fp8_block_linear_ref`` is the reference: dequantise in fp32, fp32 matmul.
+``fp8_block_linear_ref`` is the reference: dequantise in fp32, fp32 matmul (``bf16_linear_ref``:
+fp32 matmul of the bf16 operands).
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ def new_counters(device) -> torch.Tensor:
 def _fp8_block_linear_kernel(
     x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, size_n, size_k, blocks_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
     SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -149,9 +153,11 @@ def _fp8_block_linear_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * w_stride_n + k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        scale = tl.load(s_row + kb, mask=mask_n, other=0.0)
         part = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), out_dtype=tl.float32)
-        acc += part * scale[None, :]
+        if SCALED:
+            acc += part * tl.load(s_row + kb, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc += part
     mask = mask_m[:, None] & mask_n[None, :]
     tile = offs_m[:, None] * size_n + offs_n[None, :]
     if SPLIT:
@@ -202,17 +208,33 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     `counters`: the caller's `new_counters()` (split-K in one launch); None sums the splits in a
     second launch. `config`: a plan to use instead of `plan(M, N, K)` (benchmarks)."""
     n, k = weight.shape
+    if weight_scale_inv.stride(-1) != 1:
+        raise ValueError("fp8_block_linear needs K-contiguous weight and scales")
+    if weight_scale_inv.shape != (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)):
+        raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} is not the 128x128 block "
+                         f"grid of a [{n}, {k}] weight")
+    return _launch(x, weight, weight_scale_inv, bias, counters, config, torch.bfloat16)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32, config: Fp8LinearPlan | None = None) -> torch.Tensor:
+    """y = x @ weight^T in `out_dtype` [*, N] for a bf16 `weight` [N, K] (the same kernel without
+    block scales; the MoE router's fp32 logits): bf16 products, fp32 accumulation, one rounding."""
+    if weight.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_linear takes a bf16 weight, not {weight.dtype}")
+    return _launch(x, weight, None, None, counters, config, out_dtype)
+
+
+def _launch(x, weight, scale, bias, counters, config, out_dtype) -> torch.Tensor:
+    n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if weight.stride(-1) != 1 or weight_scale_inv.stride(-1) != 1:
+    if weight.stride(-1) != 1:
         raise ValueError("fp8_block_linear needs K-contiguous weight and scales")
-    if weight_scale_inv.shape != (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)):
-        raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} is not the 128x128 block "
-                         f"grid of a [{n}, {k}] weight")
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
     p = config or plan(m, n, k)
@@ -225,11 +247,13 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     part = torch.empty((p.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
+    scaled = scale is not None
     _fp8_block_linear_kernel[grid](
-        x2, x2.stride(0), weight, weight.stride(0), weight_scale_inv, weight_scale_inv.stride(0),
+        x2, x2.stride(0), weight, weight.stride(0), scale if scaled else out, scale.stride(0) if scaled else 0,
         bias_arg, out, part, counters if last_reduces else out, m, n, k, p.blocks_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SPLIT=split, LAST_REDUCES=last_reduces,
-        HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SCALED=scaled, SPLIT=split,
+        LAST_REDUCES=last_reduces, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if split and not last_reduces:
         _fp8_block_split_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, bias_arg, out, m, n, p.split_k, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
@@ -242,6 +266,11 @@ def dequantize_ref(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torc
     n, k = weight.shape
     scale = weight_scale_inv.float().repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
     return weight.float() * scale
+
+
+def bf16_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The reference: fp32 matmul of the bf16 operands, fp32 [*, N]."""
+    return x.float() @ weight.float().t()
 
 
 def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -262,8 +291,16 @@ def sm89_configs():
         for split, last in ((False, False), (True, False), (True, True)):
             tag = " split-last" if last else " split" if split else ""
             yield (f"fp8_block_linear[{cfg.name}{tag}]", _fp8_block_linear_kernel,
-                   types, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SPLIT=split,
-                               LAST_REDUCES=last, HAS_BIAS=False, DOT_DTYPE=tl.bfloat16),
+                   types, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SCALED=True,
+                               SPLIT=split, LAST_REDUCES=last, HAS_BIAS=False, DOT_DTYPE=tl.bfloat16),
+                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    # bf16 weights, fp32 out (the router's logits; decode tiles, split-K summed by the last arrival)
+    dense = dict(types, w_ptr="*bf16", s_ptr="*fp32", out_ptr="*fp32")
+    for cfg in CONFIGS.values():
+        if cfg is not PREFILL:
+            yield (f"bf16_linear[{cfg.name} split-last]", _fp8_block_linear_kernel, dense,
+                   dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SCALED=False, SPLIT=True,
+                        LAST_REDUCES=True, HAS_BIAS=False, DOT_DTYPE=tl.bfloat16),
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     yield ("fp8_block_linear_reduce", _fp8_block_split_reduce_kernel,
            dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", M="i32", size_n="i32", split_k="i32"),

@@ -35,6 +35,8 @@ LINEARS = [
     ("mla.o_proj", 4096, 2048, 11, 1), ("mla.wq_b", 512, 1536, 11, 1), ("mlp.gate_up", 3072, 4096, 3, 0),
     ("mlp.down", 4096, 1536, 3, 0), ("shared.gate_up", 512, 4096, 42, 1), ("shared.down", 4096, 256, 42, 1),
 ]
+ROUTER = (288, 4096)  # the MoE gate: 42 MoE layers + the MTP layer per target step
+ROUTER_CALLS = (43, 1)
 CELLS = {"8x22k": (32, 8), "1x64k": (4, 1)}  # (target tokens, drafter tokens) per step, MTP-3
 DRAFT_PASSES = 3
 WEIGHT_BYTES_MIN = 256 << 20
@@ -83,6 +85,29 @@ def graph_us(calls) -> float:
     return statistics.median(times) / len(calls)
 
 
+def router_rows(sizes, bw) -> list[dict]:
+    """The MoE router's logits (bf16 [288, 4096] gate, fp32 out): glmctl's GEMV vs cuBLAS's
+    bf16 -> fp32 mm (vLLM's GateLinear tier on sm_89 and sm_90), 43 calls per target step."""
+    from glmctl.kernels import fp8_block_linear as fbl
+
+    n, k = ROUTER
+    copies = -(-WEIGHT_BYTES_MIN // (2 * n * k))
+    weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    counters = [fbl.new_counters("cuda") for _ in range(copies)]
+    rows = []
+    for m in [s for s in sizes if s <= fbl.DECODE_MAX_M]:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        paths = {"glmctl": [lambda x=x, w=w, c=c: fbl.bf16_linear(x, w, counters=c)
+                            for w, c in zip(weights, counters, strict=True)],
+                 "cublas": [lambda x=x, w=w: torch.mm(x, w.t(), out_dtype=torch.float32) for w in weights]}
+        for path, calls in paths.items():
+            us = graph_us(calls)
+            byte = 2 * n * k + m * k * 2 + m * n * 4
+            rows.append(dict(linear="router", n=n, k=k, m=m, path=path, us=round(us, 2),
+                             gb_s=round(byte / us / 1e3, 1), frac_copy=round(byte / us / 1e-6 / bw, 3)))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "fp8-linear-h200.json"))
@@ -127,8 +152,9 @@ def main() -> int:
                                  config=f"{p.config.name} split {p.split_k}" if path != "marlin" else "marlin"))
         del weights, scales, counters, marlins
         torch.cuda.empty_cache()
+    rows += router_rows(sizes, bw)
     by = {(r["linear"], r["m"], r["path"]): r["us"] for r in rows}
-    paths = sorted({r["path"] for r in rows})
+    paths = sorted({r["path"] for r in rows if r["linear"] != "router"})
     steps = []
     for cell, (target_m, draft_m) in CELLS.items():
         if target_m not in sizes or draft_m not in sizes:
@@ -139,6 +165,13 @@ def main() -> int:
             calls = sum(c + DRAFT_PASSES * d for *_, c, d in LINEARS)
             steps.append(dict(cell=cell, path=path, calls=calls, us_per_step=round(us, 1),
                               how="predicted: sum of calls x per-call graph-replay time"))
+    for cell, (target_m, draft_m) in CELLS.items():
+        if (("router", target_m, "glmctl") in by and ("router", draft_m, "glmctl") in by):
+            for path in ("glmctl", "cublas"):
+                us = (ROUTER_CALLS[0] * by[("router", target_m, path)]
+                      + DRAFT_PASSES * ROUTER_CALLS[1] * by[("router", draft_m, path)])
+                steps.append(dict(cell=cell, path=f"router-{path}", calls=ROUTER_CALLS[0] + DRAFT_PASSES * ROUTER_CALLS[1],
+                                  us_per_step=round(us, 1), how="predicted: sum of calls x per-call graph-replay time"))
     record = dict(device=device, torch=torch.__version__, copy_bw_bytes_per_s=round(bw),
                   how="CUDA-graph replays over >= 256 MiB of distinct weights per row, median of 7",
                   rows=rows, steps=steps)
@@ -154,6 +187,10 @@ def main() -> int:
                 r = next((r for r in rows if r["linear"] == name and r["m"] == m and r["path"] == p), None)
                 cells.append(f"{r['us']:>9.1f} ({r['frac_copy']:.2f})" if r else f"{'-':>18}")
             print(f"{name:<15}{n:>6}{k:>6}{m:>6}" + "".join(f"{c:>18}" for c in cells))
+    for m in sizes:
+        cells = [f"{by[('router', m, p)]:>9.1f}" for p in ("glmctl", "cublas") if ("router", m, p) in by]
+        if cells:
+            print(f"{'router':<15}{ROUTER[0]:>6}{ROUTER[1]:>6}{m:>6}  glmctl {cells[0]} us, cublas {cells[-1]} us")
     for s in steps:
         print(f"step {s['cell']:<6} {s['path']:<10} {s['calls']} calls {s['us_per_step'] / 1e3:.3f} ms (predicted)")
     return 0

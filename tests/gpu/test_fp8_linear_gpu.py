@@ -119,3 +119,23 @@ def test_agrees_with_vllm_marlin(m):
         ref = fbl.fp8_block_linear_ref(x, weight, scale)
         _within(marlin(weight, scale)(x), ref, 2)
         _within(fbl.fp8_block_linear(x, weight, scale), ref, 1)
+
+
+@pytest.mark.parametrize("m", [1, 4, 8, 32, 64])
+def test_router_logits_match_cublas(m):
+    """The router op's GEMV (bf16 gate, fp32 logits) against cuBLAS's bf16 -> fp32 product (vLLM's
+    tier) and the fp32 reference: the same exact products summed in another order."""
+    from glmctl.kernels import fp8_block_linear as fbl
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    weight = torch.randn(288, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    x = _x(m, 4096, seed=m + 5)
+    counters = fbl.new_counters("cuda")
+    _poison_allocator()
+    out = fbl.bf16_linear(x, weight, counters=counters)
+    ref = fbl.bf16_linear_ref(x, weight)
+    cublas = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    scale = ref.abs().max()
+    assert (out - ref).abs().max() <= 1e-5 * scale
+    assert (cublas - ref).abs().max() <= 1e-5 * scale
+    assert counters.count_nonzero().item() == 0

@@ -113,6 +113,24 @@ def test_strided_rows_and_empty_batch():
     assert fbl.fp8_block_linear(_x(0, k, seed=1), weight, scale).shape == (0, n)
 
 
+@interpreted
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_bf16_weights_fp32_out(m):
+    n, k = 288, 512  # the router's shape, narrowed in K
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = _x(m, k, seed=m + 1)
+    counters = fbl.new_counters("cpu")
+    out = fbl.bf16_linear(x, weight, counters=counters)
+    ref = fbl.bf16_linear_ref(x, weight)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4)  # fp32 sums, no rounding
+    assert torch.equal(out, fbl.bf16_linear(x, weight))  # two-launch split: the same bits
+    assert counters.count_nonzero() == 0
+    with pytest.raises(ValueError, match="bf16 weight"):
+        fbl.bf16_linear(x, weight.float())
+
+
 def test_plan_rules():
     from glmctl.kernels import fp8_block_linear as plan_mod
 

@@ -8,6 +8,8 @@ Found by reading vLLM's glm5next model and its imports:
     package imports, which it does on sm_8x even though its kernels cannot run there;
   - mHC: tilelang when installed, else torch (`mhc`); the tilelang JIT warmup is skipped
     when tilelang is absent (config hook);
+  - the MoE router's logits (GLMCTL_ROUTER_GEMM=glmctl): glmctl's GEMV instead of cuBLAS's
+    split-K pair (`moe_router`);
   - FP8 KV cache: vLLM maps `--kv-cache-dtype fp8` to the 656-byte `fp8_ds_mla` record only
     for FLASHMLA_SPARSE; our backend keeps vLLM's standard 512-byte fp8 row (no RoPE tail,
     one per-tensor scale) and writes it with glmctl's Triton kernel (`fp8_ds_mla` on request).
@@ -25,6 +27,12 @@ def install() -> list[str]:
     # The schedule is only for DeepGEMM's paged-MQA kernel, which we do not call.
     indexer.has_deep_gemm = lambda: False
     installed = ["no DeepGEMM schedule"]
+    from glmctl.plugin.moe_router import router_gemm_kernel
+
+    if router_gemm_kernel(current_platform.is_cuda()) == "glmctl":
+        from glmctl.plugin import moe_router
+
+        installed.append(moe_router.install())
     cap = current_platform.get_device_capability()
     if cap is not None and (cap.major, cap.minor) < (8, 9):
         from vllm.models.glm5next.nvidia import attention
