@@ -61,6 +61,7 @@ class Fp8LinearConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    fp8_bits: bool = False  # e4m3 -> bf16 by integer bit moves instead of cvt instructions
 
     @property
     def shared_bytes(self) -> int:
@@ -78,6 +79,11 @@ CONFIGS: dict[str, Fp8LinearConfig] = {c.name: c for c in (
     # prefill chunks: 64 x 128 output tiles, 2 x 32 KiB operand stages
     Fp8LinearConfig("prefill_m64_n128", block_m=64, block_n=128, num_warps=8, num_stages=2),
 )}
+# The decode tiles with the bit-move conversion (an A/B for the GPU: the cvt path converts
+# e4m3 -> f16 -> f32 -> bf16, three conversion instructions per pair of weights)
+CONFIGS.update({f"{c.name}_bits": Fp8LinearConfig(f"{c.name}_bits", c.block_m, c.block_n, c.num_warps,
+                                                  c.num_stages, fp8_bits=True)
+                for c in list(CONFIGS.values()) if c.name.startswith("m")})
 PREFILL = CONFIGS["prefill_m64_n128"]
 REDUCE_BLOCK = 1024
 
@@ -92,7 +98,7 @@ class Fp8LinearPlan:
         return (triton.cdiv(n, self.config.block_n), self.split_k, triton.cdiv(m, self.config.block_m))
 
 
-def plan(m: int, n: int, k: int) -> Fp8LinearPlan:
+def plan(m: int, n: int, k: int, fp8_bits: bool = False) -> Fp8LinearPlan:
     """The config and split for an [m, k] x [n, k]^T product, from shapes only.
 
     m <= DECODE_MAX_M: block_m the smallest of 16 / 32 / 64 that holds m; block_n 64, or 32 when
@@ -109,7 +115,7 @@ def plan(m: int, n: int, k: int) -> Fp8LinearPlan:
         block_n = 64
         if triton.cdiv(n, 64) * max_split < TARGET_PROGRAMS // 2:
             block_n = 32
-        cfg = CONFIGS[f"m{block_m}_n{block_n}"]
+        cfg = CONFIGS[f"m{block_m}_n{block_n}{'_bits' if fp8_bits else ''}"]
     else:
         cfg = PREFILL
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
@@ -125,11 +131,12 @@ def new_counters(device) -> torch.Tensor:
 
 
 @triton.jit
-def _fp8_block_linear_kernel(
+def _linear_tile(
     x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, size_n, size_k, blocks_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8_BITS: tl.constexpr, SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -153,9 +160,17 @@ def _fp8_block_linear_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * w_stride_n + k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if FP8_BITS:
+            # e4m3 -> bf16 by moving bits: the sign to bit 15, exponent and mantissa to bits 4..10,
+            # i.e. the same value times 2^-120 (normals and subnormals alike), undone in the scale
+            b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
+            w = (((b & 0x7F) << 4) | ((b & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
         part = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), out_dtype=tl.float32)
         if SCALED:
-            acc += part * tl.load(s_row + kb, mask=mask_n, other=0.0)[None, :]
+            scale = tl.load(s_row + kb, mask=mask_n, other=0.0)
+            if FP8_BITS:
+                scale = scale * 1.329227995784916e36  # 2^120
+            acc += part * scale[None, :]
         else:
             acc += part
     mask = mask_m[:, None] & mask_n[None, :]
@@ -184,6 +199,31 @@ def _fp8_block_linear_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Two entry points over one body, so that profiles tell the block-FP8 linears from the bf16 GEMVs
+@triton.jit
+def _fp8_block_linear_kernel(
+    x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, size_n, size_k, blocks_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_BITS: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    _linear_tile(x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                 M, size_n, size_k, blocks_per_split, BLOCK_M, BLOCK_N, BLOCK_K, True, FP8_BITS, SPLIT,
+                 LAST_REDUCES, HAS_BIAS, DOT_DTYPE)
+
+
+@triton.jit
+def _bf16_gemv_kernel(
+    x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, size_n, size_k, blocks_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    _linear_tile(x_ptr, x_stride_m, w_ptr, w_stride_n, s_ptr, s_stride_n, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                 M, size_n, size_k, blocks_per_split, BLOCK_M, BLOCK_N, BLOCK_K, False, False, SPLIT,
+                 LAST_REDUCES, HAS_BIAS, DOT_DTYPE)
 
 
 @triton.jit
@@ -248,12 +288,13 @@ def _launch(x, weight, scale, bias, counters, config, out_dtype) -> torch.Tensor
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     scaled = scale is not None
-    _fp8_block_linear_kernel[grid](
+    kernel = _fp8_block_linear_kernel if scaled else _bf16_gemv_kernel
+    kernel[grid](
         x2, x2.stride(0), weight, weight.stride(0), scale if scaled else out, scale.stride(0) if scaled else 0,
         bias_arg, out, part, counters if last_reduces else out, m, n, k, p.blocks_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SCALED=scaled, SPLIT=split,
-        LAST_REDUCES=last_reduces, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype(), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SPLIT=split, LAST_REDUCES=last_reduces,
+        HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"FP8_BITS": cfg.fp8_bits} if scaled else {}))
     if split and not last_reduces:
         _fp8_block_split_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, bias_arg, out, m, n, p.split_k, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
@@ -288,18 +329,19 @@ def sm89_configs():
                  s_stride_n="i32", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32",
                  M="i32", size_n="i32", size_k="i32", blocks_per_split="i32")
     for cfg in CONFIGS.values():
-        for split, last in ((False, False), (True, False), (True, True)):
+        variants = ((True, True),) if cfg.fp8_bits else ((False, False), (True, False), (True, True))
+        for split, last in variants:
             tag = " split-last" if last else " split" if split else ""
             yield (f"fp8_block_linear[{cfg.name}{tag}]", _fp8_block_linear_kernel,
-                   types, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SCALED=True,
+                   types, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, FP8_BITS=cfg.fp8_bits,
                                SPLIT=split, LAST_REDUCES=last, HAS_BIAS=False, DOT_DTYPE=tl.bfloat16),
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     # bf16 weights, fp32 out (the router's logits; decode tiles, split-K summed by the last arrival)
     dense = dict(types, w_ptr="*bf16", s_ptr="*fp32", out_ptr="*fp32")
     for cfg in CONFIGS.values():
-        if cfg is not PREFILL:
-            yield (f"bf16_linear[{cfg.name} split-last]", _fp8_block_linear_kernel, dense,
-                   dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SCALED=False, SPLIT=True,
+        if cfg is not PREFILL and not cfg.fp8_bits:
+            yield (f"bf16_gemv[{cfg.name} split-last]", _bf16_gemv_kernel, dense,
+                   dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, SPLIT=True,
                         LAST_REDUCES=True, HAS_BIAS=False, DOT_DTYPE=tl.bfloat16),
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     yield ("fp8_block_linear_reduce", _fp8_block_split_reduce_kernel,

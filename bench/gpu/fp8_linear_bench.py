@@ -4,7 +4,8 @@ GLM-5.3-Flash, decode and prefill batch sizes, on the GPU at hand.
 Each (shape, M, path) row is timed as CUDA-graph replays of COPIES different layers of that shape
 back to back (together >= 256 MiB of weights, so they stream from DRAM as in the model, not
 from L2), median of 7 replays over the copies (torch.cuda.Event). Paths: `glmctl` (split-K summed
-by the last arrival, one launch), `glmctl-2k` (split-K summed by a second kernel), `marlin`
+by the last arrival, one launch), `glmctl-2k` (split-K summed by a second kernel), `glmctl-bits` (decode tiles converting e4m3 -> bf16 by
+bit moves instead of cvt instructions), `marlin`
 (vLLM's `MarlinFP8ScaledMMLinearKernel` path, what sm_89 runs today; absent without vLLM).
 `frac_copy` = weight bytes / time over the measured device copy bandwidth.
 
@@ -140,6 +141,11 @@ def main() -> int:
                 "glmctl-2k": [lambda x=x, w=w, s=s: fbl.fp8_block_linear(x, w, s)
                               for w, s in zip(weights, scales, strict=True)],
             }
+            if m <= fbl.DECODE_MAX_M:  # the decode tiles with e4m3 -> bf16 by bit moves
+                bits = fbl.plan(m, n, k, fp8_bits=True)
+                paths["glmctl-bits"] = [
+                    lambda x=x, w=w, s=s, c=c, b=bits: fbl.fp8_block_linear(x, w, s, counters=c, config=b)
+                    for w, s, c in zip(weights, scales, counters, strict=True)]
             if marlins:
                 paths["marlin"] = [lambda x=x, f=f: f(x) for f in marlins]
             p = fbl.plan(m, n, k)

@@ -139,3 +139,19 @@ def test_router_logits_match_cublas(m):
     assert (out - ref).abs().max() <= 1e-5 * scale
     assert (cublas - ref).abs().max() <= 1e-5 * scale
     assert counters.count_nonzero().item() == 0
+
+
+@pytest.mark.parametrize("m", [4, 32])
+def test_bit_move_conversion_matches_reference(m):
+    """The `_bits` decode tiles (e4m3 -> bf16 by integer bit moves, x 2^-120 folded into the scale)
+    against the fp32 reference, subnormal e4m3 weights included: fails if the tensor cores flush
+    bf16 subnormal inputs, which would rule the variant out."""
+    from glmctl.kernels import fp8_block_linear as fbl
+
+    for i, (n, k) in enumerate(SHAPES[:5]):
+        weight, scale = _weights(n, k, seed=80 + i)
+        weight[:, :128] = (torch.randn(n, 128, device="cuda") * 2 ** -8).to(torch.float8_e4m3fn)
+        x = _x(m, k, seed=90 + i)
+        p = fbl.plan(m, n, k, fp8_bits=True)
+        out = fbl.fp8_block_linear(x, weight, scale, counters=fbl.new_counters("cuda"), config=p)
+        _within(out, fbl.fp8_block_linear_ref(x, weight, scale), 1)

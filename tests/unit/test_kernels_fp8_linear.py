@@ -114,6 +114,21 @@ def test_strided_rows_and_empty_batch():
 
 
 @interpreted
+@pytest.mark.parametrize("m", [3, 32])
+def test_bit_move_conversion(m):
+    """e4m3 -> bf16 by bit moves (value x 2^-120, undone in the scale), subnormals included."""
+    n, k = 96, 512
+    weight, scale = _weights(n, k, seed=m)
+    weight[:, :64] = (torch.randn(n, 64) * 2 ** -8).to(torch.float8_e4m3fn)  # subnormal e4m3 values
+    weight[0, 0] = torch.tensor(-448.0).to(torch.float8_e4m3fn)
+    x = _x(m, k, seed=m + 3)
+    p = fbl.plan(m, n, k, fp8_bits=True)
+    assert p.config.fp8_bits and p.config.name.endswith("_bits")
+    out = fbl.fp8_block_linear(x, weight, scale, counters=fbl.new_counters("cpu"), config=p)
+    _close(out, fbl.fp8_block_linear_ref(x, weight, scale))
+
+
+@interpreted
 @pytest.mark.parametrize("m", [1, 8, 32])
 def test_bf16_weights_fp32_out(m):
     n, k = 288, 512  # the router's shape, narrowed in K
