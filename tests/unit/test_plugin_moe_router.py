@@ -1,4 +1,4 @@
-"""The router-logits op (`glmctl.plugin.moe_router`) on CPU: when it is chosen, which gate calls it
+"""The router-logits op (`glmctl.plugin.platforms.moe_router`) on CPU: when it is chosen, which gate calls it
 takes, both of its paths (glmctl's GEMV in the Triton interpreter for decode batches, torch.mm
 above) against the fp32 product, and the GateLinear hook on a stand-in class."""
 
@@ -17,7 +17,7 @@ from glmctl.kernels.triton_env import (  # noqa: E402
 _modules = import_interpreted("glmctl.kernels.fp8_block_linear")
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
 
-from glmctl.plugin import moe_router  # noqa: E402
+from glmctl.plugin.platforms import moe_router  # noqa: E402
 
 
 @pytest.mark.skipif(_modules is not None, reason="ran in this process")

@@ -27,10 +27,10 @@ def install() -> list[str]:
     # The schedule is only for DeepGEMM's paged-MQA kernel, which we do not call.
     indexer.has_deep_gemm = lambda: False
     installed = ["no DeepGEMM schedule"]
-    from glmctl.plugin.moe_router import router_gemm_kernel
+    from glmctl.plugin.platforms.moe_router import router_gemm_kernel
 
     if router_gemm_kernel(current_platform.is_cuda()) == "glmctl":
-        from glmctl.plugin import moe_router
+        from glmctl.plugin.platforms import moe_router
 
         installed.append(moe_router.install())
     cap = current_platform.get_device_capability()
