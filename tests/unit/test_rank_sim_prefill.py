@@ -184,3 +184,25 @@ def test_server_turns_detailed_step_annotations_on_only_with_the_prefill_cell(tm
     argv = rank_sim_server.Server(a, tmp_path / "v.log", tmp_path / "prof").argv()
     config = argv[argv.index("--profiler-config") + 1]
     assert ('"detailed_trace_annotation": true' in config) is detailed
+
+
+def test_the_cell_runs_against_a_server_without_a_profiler_and_reports_what_it_missed(tmp_path):
+    """The fake server has no /start_profile and a KV gauge that does not grow with the prompt:
+    the cell ends with the prompt, its window marked missed, its admission timed, no trace."""
+    from glmctl.evals import serving_bench as b
+    from glmctl.evals.client import OpenAIServer
+    from glmctl.evals.corpus import stdlib_text
+    from glmctl.evals.tokenizer import ServerTokenizer
+    from tests.fake_server import FakeEngine, FakeServer
+
+    engine = FakeEngine(max_model_len=8192, prefill_tok_s=20_000.0)
+    with FakeServer(engine) as url:
+        client = OpenAIServer(url)
+        client.connect()
+        prompts = b.PromptSource(ServerTokenizer(client), stdlib_text())
+        cell = rsp.prefill_cell(client, prompts, url, tmp_path, 2, {"kv_tokens": 100_000}, contexts=[2000],
+                                chunk=256, window_chunks=1, time_limit_s=30.0)
+        client.close()
+    assert cell["prompt_tokens"] == 2000 + 128 + 4 * 256 and cell["profiled_ttft_s"] is not None
+    assert "missed" in cell["windows"][0] and cell["traces"] == [] and cell["summary"] == []
+    assert cell["admission_s"] >= 0 and cell["usage_polls"] > 0
