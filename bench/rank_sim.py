@@ -13,7 +13,10 @@ L40's memory, and measures, against the real OpenAI server:
 * time to first token: every session's, per cell (eight ~227k prompts sent together are the
   report's queue), and one 256k prompt on an idle server;
 * where a steady decode step goes: vLLM's torch profiler for a few engine iterations inside the
-  cell's steady window, kernels grouped by kind (`rank_sim_profile`).
+  cell's steady window, kernels grouped by kind (`rank_sim_profile`);
+* where a prefill chunk goes (cell `prefill`, `rank_sim_prefill`): one long prompt, the profiler
+  around a few of its chunks at each `--prefill-contexts` context, each chunk's kernels by kind,
+  with the GPU's bf16 matmul rate taken before the server starts.
 
 The steady-window rule for many long sessions: all sessions are sent together (their prefills
 queue, one at a time, as in the report) and each asks for up to `--decode-budget` tokens, enough to
@@ -45,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rank_sim_prefill import DEFAULT_CONTEXTS, PREFILL, bf16_peak, parse_contexts, prefill_cell  # noqa: E402
 from rank_sim_profile import breakdown  # noqa: E402
 from rank_sim_server import Server, end_group  # noqa: E402
 
@@ -227,12 +231,15 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--max-capture", type=int, default=48)
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile; FULL decode graphs")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--cells", default="8x22k", help=f"comma list: SxCk cells, {WARM_UP!r}, {SINGLE!r}")
+    ap.add_argument("--cells", default="8x22k", help=f"comma list: SxCk cells, {WARM_UP!r}, {SINGLE!r}, {PREFILL!r}")
     ap.add_argument("--decode-budget", type=int, default=4096, help="max tokens a session may decode")
     ap.add_argument("--window-s", type=float, default=8.0, help="steady seconds a cell measures")
     ap.add_argument("--cell-limit-s", type=float, default=420.0, help="a cell's own time limit")
     ap.add_argument("--profile-cell", default=None, help="comma list of the cells to profile")
     ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--prefill-contexts", default=DEFAULT_CONTEXTS, help=f"the {PREFILL!r} cell's window contexts")
+    ap.add_argument("--prefill-window-chunks", type=int, default=4, help="chunks per prefill window")
+    ap.add_argument("--prefill-min-s", type=float, default=90.0, help=f"time the {PREFILL!r} cell needs to start")
     ap.add_argument("--env", action="append", help="KEY=VALUE for the server")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--out", type=Path, required=True)
@@ -268,6 +275,9 @@ def main() -> int:
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(args.out)
 
+    if PREFILL in args.cells.split(","):  # the GPU is still free: its bf16 rate, the prefill fractions' peak
+        record["bf16_matmul"] = bf16_peak()
+        save()
     server = Server(args, out_dir / f"vllm-{args.name}.log", profile_dir, Path(f"/tmp/rank-sim-{args.name}.pgid"))
 
     def on_signal(signum, frame):  # the stage script's timeout: end the server's group, keep the record
@@ -326,6 +336,14 @@ def _cells(args, server, record: dict, save, profile_dir: Path, t_end: float) ->
         try:
             if spec == WARM_UP:
                 cell = warm_up(client, prompts)
+            elif spec == PREFILL:
+                if left < args.prefill_min_s:
+                    record["cells"].append({"cell": spec, "skipped": f"deadline ({left:.0f} s left)"})
+                    save()
+                    continue
+                cell = prefill_cell(client, prompts, server.base, profile_dir, _layers(args.model), record["server"],
+                                    contexts=parse_contexts(args.prefill_contexts), chunk=args.chunk,
+                                    window_chunks=args.prefill_window_chunks, time_limit_s=left - 20)
             elif spec == SINGLE:
                 cell = {"cell": spec, "prompt_tokens": 256_000, "ttft_s": ttft_single(client, prompts, 256_000)}
                 record["prefill_ttft_256k_s"] = cell["ttft_s"]

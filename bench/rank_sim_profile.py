@@ -1,5 +1,6 @@
 """Where a decode step goes: vLLM's torch-profiler trace of a few engine iterations, kernel time
-grouped by kind (`KINDS`, first match wins) per iteration, and the GPU-idle time inside the span.
+grouped by kind (`KINDS`, first match wins) per iteration, and the GPU-idle time inside the span;
+where a prefill chunk goes: the same trace split at vLLM's step annotations (`chunk_breakdown`).
 
 Iterations are counted by glmctl's mHC gate kernel (`ITERATION_MARKERS`, the first one present),
 which runs twice per target layer per forward (the MTP layer has no mHC); the profiler's own
@@ -7,10 +8,21 @@ iteration limit is the fallback. `kernels_table` lists every kernel name above `
 iteration with its kind and calls per iteration, so that no share hides in `other`. Only a
 trace written after the profile was started is read (`since`), so a trace of an earlier run in the
 same folder is never taken for this one.
+
+`chunk_breakdown` splits a trace into engine iterations at vLLM's per-step annotation
+(`execute_...`, a record_function range around each `execute_model`): a kernel belongs to the
+iteration during whose range (up to the next one's start) its launch was issued, matched through
+the profiler's correlation id; with `detailed_trace_annotation` on, the annotation also names the
+chunk's context (`sk`, the sequence length after the chunk, less `sq`, its tokens). An iteration is
+`complete` when the next one began inside the trace (the profiler may stop while the last one's
+kernels run). In a prefill chunk the sort kernels are the MoE routing's (the EXL3 path sorts the
+token-expert picks; the sampler sorts nothing there), so they count as routed experts
+(`PREFILL_KINDS`).
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -23,7 +35,8 @@ KINDS = (
     ("mla_attention", r"sparse_mla|_combine_kernel|mla_cache_write|flash_mla|flashmla"),
     ("indexer", r"indexer|kpool|fwht|topk_slices|_kpool_topk"),
     ("kda", r"kda|chunk_|fused_recurrent|gated_delta|causal_conv|fla_|recompute_w_u|solve_tril"
-            r"|l2norm|gdn|kimi|wy_fast|cumsum_|chunk_local|norm_gated"),
+            r"|l2norm|gdn|kimi|wy_fast|cumsum_|chunk_local|norm_gated"
+            r"|merge_16x16|_initial_states|_scatter_states|post_conv"),  # the last four: prefill only
     # the router's top-k and the EXL3 path's input staging belong to the experts' share
     ("routed_experts", r"exl3|fused_moe|moe_align|moe_sum|topk_softmax|grouped_topk|moe_|"
                        r"_moe|count_and_sort|expert|_coop_inputs|single_group_topk"),
@@ -37,7 +50,7 @@ KINDS = (
                 r"|_combine_sampled|_insert_resampled|_get_num_sampled"),
     # vLLM's model-runner bookkeeping kernels (input preparation, slot mappings, draft updates)
     ("runner", r"_prepare_|_compute_slot_mappings|_update_draft|_post_update|_gather_block_tables"
-               r"|_expand_idx|_fused_eh_norm|_bias_kernel"),
+               r"|_expand_idx|_fused_eh_norm|_bias_kernel|prefillchunkmetadata"),
     # torch's own elementwise / copy / index kernels between the ops (glue: casts, adds, cats)
     ("torch_glue", r"at::native|elementwise|copy|catarray|fill|arange|index|gather|scatter|memcpy32"
                    r"|triton_poi_|triton_per_|^kernel$"),
@@ -46,6 +59,14 @@ _KIND_RE = [(k, re.compile(p)) for k, p in KINDS]
 # Kernels launched once per mHC block (2 per target layer per forward), first present wins.
 ITERATION_MARKERS = ("_mix_finalize", "_mhc_gates", "_mhc_block")
 TABLE_MIN_US = 1.0  # per iteration
+# Checked before KINDS for a prefill chunk's kernels (see the module doc).
+PREFILL_KINDS = (("routed_experts", r"radixsort|radix_sort|bitonicsort|segmented_sort|sortpairs|sort_pairs|sortkv"),)
+_PREFILL_KIND_RE = [(k, re.compile(p)) for k, p in PREFILL_KINDS]
+# vLLM's step annotation: detailed ("execute_N_context_R(sqQskS...)_generation_G(sqQ...") or simple
+# ("execute_context_R(Q)_generation_G(Q)")
+_STEP_DETAILED = re.compile(r"^execute_(\d+)_context_(\d+)\(sq(\d+)sk(\d+)\D.*_generation_(\d+)\(sq(\d+)")
+_STEP_SIMPLE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+CHUNK_TABLE_MIN_US = 5.0  # per chunk
 
 
 def kind_of(name: str) -> str:
@@ -58,14 +79,105 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def prefill_kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, rx in _PREFILL_KIND_RE:
+        if rx.search(low):
+            return kind
+    return kind_of(name)
+
+
+def parse_step(name: str) -> dict | None:
+    """vLLM's step annotation -> requests and tokens of its context (prefill) and generation parts;
+    `ctx_seq` (detailed annotations only): the summed sequence lengths after the step."""
+    m = _STEP_DETAILED.match(name)
+    if m:
+        _, ctx, sq, sk, gen, gen_sq = map(int, m.groups())
+        return {"ctx_requests": ctx, "ctx_tokens": sq, "ctx_seq": sk, "gen_requests": gen, "gen_tokens": gen_sq}
+    m = _STEP_SIMPLE.match(name)
+    if m:
+        ctx, sq, gen, gen_sq = map(int, m.groups())
+        return {"ctx_requests": ctx, "ctx_tokens": sq, "ctx_seq": None, "gen_requests": gen, "gen_tokens": gen_sq}
+    return None
+
+
+def load_events(trace: Path) -> list[dict]:
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def traces_since(profile_dir: Path, since: float) -> list[Path]:
+    """Worker traces written after `since` (time.time()), oldest first (capture traces left out)."""
+    return sorted((p for p in profile_dir.rglob("*.json*") if "capture" not in p.parts
+                   and p.stat().st_mtime > since), key=lambda p: p.stat().st_mtime)
+
+
+def chunk_breakdown(events: list[dict], layers: int) -> dict:
+    """Kernel time per kind per engine iteration of one trace (see the module doc)."""
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"
+                    and str(e.get("name", "")).startswith("execute_")), key=lambda e: float(e["ts"]))
+    if not steps:
+        return {"error": "no step annotations (execute_...) in the trace"}
+    launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    starts = [float(e["ts"]) for e in steps]
+    its = [{"step": parse_step(e["name"]), "kernels": [], "wall_us": None} for e in steps]
+    for i in range(len(its) - 1):
+        its[i]["wall_us"] = round(starts[i + 1] - starts[i], 1)
+    unassigned = 0
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or e.get("ph") != "X":
+            continue
+        t = launched.get((e.get("args") or {}).get("correlation"))
+        i = bisect.bisect_right(starts, t) - 1 if t is not None else -1
+        if i < 0:
+            unassigned += 1
+            continue
+        its[i]["kernels"].append(e)
+    names = {e.get("name", "") for it in its for e in it["kernels"]}
+    marker = next((m for m in ITERATION_MARKERS if any(m in n for n in names)), None)
+    out, table, complete = [], {}, 0
+    for i, it in enumerate(its):
+        ks, step = it["kernels"], it["step"] or {}
+        by_kind: dict[str, float] = {}
+        for e in ks:
+            k = prefill_kind_of(e.get("name", "")) if e["cat"] == "kernel" else "memcpy"
+            by_kind[k] = by_kind.get(k, 0.0) + float(e.get("dur", 0.0))
+        busy = sum(by_kind.values())
+        span = (max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in ks) - min(float(e["ts"]) for e in ks)
+                if ks else 0.0)
+        blocks = sum(1 for e in ks if marker and marker in e.get("name", ""))
+        is_complete = i + 1 < len(its) and (marker is None or blocks >= 2 * layers)
+        seq, tokens = step.get("ctx_seq"), step.get("ctx_tokens")
+        out.append({"annotation": steps[i]["name"][:160], "ctx_requests": step.get("ctx_requests"),
+                    "ctx_tokens": tokens, "gen_tokens": step.get("gen_tokens"),
+                    "context": None if seq is None or tokens is None else seq - tokens,
+                    "complete": is_complete, "kernels": len(ks), "mhc_blocks": blocks,
+                    "span_us": round(span, 1), "busy_us": round(busy, 1), "wall_us": it["wall_us"],
+                    "us_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}})
+        if is_complete:
+            complete += 1
+            for e in ks:
+                name = e.get("name", "")[:120]
+                row = table.setdefault(name, {"kind": prefill_kind_of(name) if e["cat"] == "kernel" else "memcpy",
+                                              "us": 0.0, "calls": 0})
+                row["us"] += float(e.get("dur", 0.0))
+                row["calls"] += 1
+    rows = [{"name": k, "kind": r["kind"], "calls_per_chunk": round(r["calls"] / complete, 2),
+             "us_per_chunk": round(r["us"] / complete, 1)}
+            for k, r in sorted(table.items(), key=lambda kv: -kv[1]["us"]) if complete and r["us"] / complete >= CHUNK_TABLE_MIN_US]
+    return {"iterations": out, "complete_iterations": complete, "unassigned_kernels": unassigned,
+            "kernels_table": rows}
+
+
 def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wait_s: float = 120.0) -> dict:
     """Kernel time per kind per engine iteration from the newest worker trace written after `since`
     (time.time()); see the module doc."""
     deadline = time.monotonic() + wait_s
     trace = None
     while time.monotonic() < deadline:
-        files = sorted((p for p in profile_dir.rglob("*.json*") if "capture" not in p.parts
-                        and p.stat().st_mtime > since), key=lambda p: p.stat().st_mtime)
+        files = traces_since(profile_dir, since)
         if files and time.time() - files[-1].stat().st_mtime > 3:  # written out (mtime is wall clock)
             trace = files[-1]
             break
@@ -73,9 +185,7 @@ def breakdown(profile_dir: Path, steps: int, layers: int, since: float = 0.0, wa
     if trace is None:
         return {"error": f"no profiler trace under {profile_dir} written after the profile started "
                          f"(waited {wait_s:.0f} s)"}
-    opener = gzip.open if trace.suffix == ".gz" else open
-    with opener(trace, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
+    events = load_events(trace)
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
                and e.get("ph") == "X"]
     if not kernels:

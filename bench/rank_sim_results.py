@@ -1,7 +1,10 @@
 """Assemble the rank simulation's result file from bench/rank_sim.py's records: the issue's fields
 (`kv_tokens` vLLM vs plan per variant, `decode_steps_per_s` per cell, `breakdown_us`,
 `prefill_ttft_s`, `stock_vllm`, `predicted_node`) beside the measured-run header that
-`glmctl plan --predict` reads (`source`, `device`, `rank_sim`: the records themselves, verbatim).
+`glmctl plan --predict` reads (`source`, `device`, `rank_sim`: the records themselves, verbatim),
+and, when a record has a profiled `prefill` cell, `prefill`: its chunk at the longest context
+(`rank_prefill.node_prefill_measurement`), which the node's prefill prediction then scales kind by
+kind instead of the measured TTFTs.
 
     python bench/rank_sim_results.py REC.json [REC.json ...] --out bench/results/rank-sim-h200.json \\
         --source "H200, 2026-12-01 (gpu-results/5, /6)" [--note TEXT ...] [--stock-reason TEXT]
@@ -22,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rank_prefill import node_prefill_measurement  # noqa: E402
 
 from glmctl.plan import gpu_node, load_model_spec, plan_capacity  # noqa: E402
 from glmctl.plan.prediction.node_prediction import load_measured_run, predict_node  # noqa: E402
@@ -115,6 +121,9 @@ def assemble(records: list[dict], source: str, notes: list[str], stock_reason: s
     doc["prefill_ttft_s"] = {r["name"]: {c["cell"]: c.get("ttft_s") for c in r.get("cells", []) if c.get("ttft_s")}
                              | ({"256k": r["prefill_ttft_256k_s"]} if r.get("prefill_ttft_256k_s") else {})
                              for r in records}
+    chunk = node_prefill_measurement(records)
+    if chunk is not None:
+        doc["prefill"] = chunk
     stock = [r for r in records if (r.get("settings") or {}).get("plugin") == "off"]
     doc["stock_vllm"] = {"measured": stock[0]} if stock else {"not_run": stock_reason}
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,6 +167,9 @@ def main() -> int:
               f"weights {kv['weights_gib']}")
     for cell, c in doc["predicted_node"]["cells"].items():
         print(f"{cell}: predicted {c['predicted_tok_s']} tok/s (range {c['range_tok_s']}), report {c['report_tok_s']}")
+    for p in doc["predicted_node"]["prefill"]:
+        print(f"prefill {p['prompt_tokens']:,} tokens: predicted {p['predicted_ttft_s']} s (collectives "
+              f"{p['collectives_s']} s), report {p['report_s']}: {p['basis']}")
     return 0
 
 

@@ -119,7 +119,10 @@ class Server:
                 "--profiler-config", json.dumps({
                     "profiler": "torch", "torch_profiler_dir": str(self.profile_dir),
                     "torch_profiler_with_stack": False, "ignore_frontend": True,
-                    "max_iterations": a.profile_steps, "torch_profiler_use_gzip": True})]
+                    "max_iterations": a.profile_steps, "torch_profiler_use_gzip": True,
+                    # each step's annotation names its context (sk): rank_sim_prefill's chunks need it
+                    **({"detailed_trace_annotation": True} if "prefill" in str(getattr(a, "cells", "")).split(",")
+                       else {})})]
         if a.mtp:
             argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": a.mtp})]
         if a.enforce_eager:

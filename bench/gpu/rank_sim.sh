@@ -8,7 +8,9 @@
 #   bash bench/gpu/rank_sim.sh --detach RUN ...     in a session of its own, which outlives the call
 #   bash bench/gpu/rank_sim.sh --collect [SECONDS]  wait up to SECONDS (default 0) for the detached
 #                                                   job, copy what it wrote into $OUT, print the table
-#   runs: main (= exl3-mtp3), decode (exl3-mtp3's decode cells without 8x227k and 256k), exl3-mtp3, exl3-fullgraph, exl3-nospec, fp8-mtp3, stock
+#   runs: main (= exl3-mtp3), main-prefill (main, then the profiled prefill cell), decode (exl3-mtp3's
+#         decode cells without 8x227k and 256k), prefill (warm + the prefill cell alone), exl3-mtp3,
+#         exl3-fullgraph, exl3-nospec, fp8-mtp3, stock
 #         (exl3-fullgraph: VLLM_USE_BREAKABLE_CUDAGRAPH=0, so KDA, MLA attention and the indexer are
 #         captured too instead of running eagerly between graph segments, vLLM's default for this
 #         model: the A/B that says how much of a step is host time)
@@ -28,6 +30,12 @@
 #   ~0.35 s per 2,048-token chunk on the H200), 256k ~45 s; 8x64k and 1x64k only if time is left.
 #   The table (last) and every file come back with call 5; call 4's come back with what was done by then.
 #   Next in line, ~6 min each with its own boot: exl3-fullgraph (the host-time A/B), exl3-nospec, fp8-mtp3.
+#   main-prefill = main + cell `prefill` last (bench/rank_sim_prefill.py): a bf16 matmul probe before
+#   the boot (~6 s), then one 252k prompt with the profiler on for 4 chunks at ~8k, ~64k and ~240k
+#   (~31 s of prefill + 3 trace exports + parsing: ~60 s); the record's `prefill` cell holds each
+#   chunk's kernels by kind. Give it RANK_SIM_SECONDS=1120 detached; with less left than 90 s it is
+#   skipped, every other cell as in main. bench/rank_prefill.py turns the record into
+#   bench/results/rank-prefill-h200.json (on CPU).
 #
 # What an sm_89 node gets where vLLM chooses by compute capability, and how this forces it here
 # (read from vLLM 0.30's source; bench/results/rank-sim-h200.md lists them with references):
@@ -57,10 +65,17 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("rank-sim-*.json")):
     for c in r.get("cells", []):
         ttft = max([x for x in (c.get("ttft_s") if isinstance(c.get("ttft_s"), list) else [c.get("ttft_s")]) if x] or [0])
         note = c.get("no_window") or c.get("skipped") or c.get("error") or (c.get("breakdown") or {}).get("error") or ""
+        if c.get("summary"):  # the prefill cell: per window, context of its chunks, GPU span / wall ms per chunk
+            note = "chunks " + ", ".join(f"{w.get('context')}: {w.get('span_ms')}/{w.get('wall_ms')} ms"
+                                         for w in c["summary"]) + f"; admission {c.get('admission_s')} s"
+            ttft = c.get("profiled_ttft_s") or 0
         if (c.get("breakdown") or {}).get("us_per_iteration"):
             note = "profiled: " + ", ".join(f"{k} {v:.0f}" for k, v in list(c["breakdown"]["us_per_iteration"].items())[:4])
         print(f"{r['name']:<12} {s.get('kv_tokens', '-'):>10} {s.get('weights_gib', '-'):>7} {s.get('startup_s', '-'):>6} "
-              f"{c.get('cell'):>6} {c.get('decode_tok_s', '-'):>7} {c.get('step_ms', '-'):>8} {ttft:>10} {note[:70]}")
+              f"{c.get('cell'):>6} {c.get('decode_tok_s', '-'):>7} {c.get('step_ms', '-'):>8} {ttft:>10} "
+              f"{note[:150] if c.get('summary') else note[:70]}")
+    if r.get("bf16_matmul"):
+        print(f"{r['name']:<12} bf16 matmul before the boot: {r['bf16_matmul']}")
 PY
 }
 
@@ -155,7 +170,9 @@ run() {  # name experts mtp plugin cells profile_cell extra...
 for r in "${@:-main}"; do
   case $r in
     main|exl3-mtp3) run exl3-mtp3 exl3 3 on warm,8x22k,1x64k,8x64k,8x227k,256k 8x22k,1x64k,8x64k,8x227k ;;
+    main-prefill)   run exl3-mtp3 exl3 3 on warm,8x22k,1x64k,8x64k,8x227k,256k,prefill 8x22k,1x64k,8x64k,8x227k ;;
     decode)         run exl3-mtp3 exl3 3 on warm,8x22k,1x64k,8x64k 8x22k,1x64k,8x64k ;;
+    prefill)        run exl3-prefill exl3 3 on warm,prefill "" ;;
     exl3-fullgraph) run exl3-fullgraph exl3 3 on warm,8x22k,1x64k "" --env VLLM_USE_BREAKABLE_CUDAGRAPH=0 ;;
     exl3-nospec)    run exl3-nospec exl3 0 on warm,8x22k,8x227k "" ;;
     fp8-mtp3)       run fp8-mtp3 fp8 3 on warm,1x64k,8x22k "" ;;
