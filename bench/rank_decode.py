@@ -11,7 +11,7 @@ so an old record reads with today's kinds), each beside `bytes_per_step`, the by
 must move at least, and `frac_copy` = bytes / time / the device-to-device copy bandwidth. The
 floor is the sum of those bytes over the copy bandwidth.
 
-The bytes (`step_bytes`) are a stated model, not a measurement:
+The bytes (`step_bytes`, `glmctl.plan.prediction.decode_bytes`) are a stated model, not a measurement:
   - passes per step: the target forward on S x (k + 1) tokens, then the MTP drafter's k passes of
     its one layer on [S x (k + 1), S, ...] tokens (vLLM 0.30's V2 runner; 45 MoE-layer calls per
     step in the profile = 42 target layers + 3 drafter passes);
@@ -45,14 +45,7 @@ from rank_sim import parse_cell  # noqa: E402
 from rank_sim_profile import kind_of  # noqa: E402
 
 from glmctl.plan import load_model_spec  # noqa: E402
-from glmctl.plan.kv_cache import indexer_state_bytes, kda_state_bytes, mla_bytes_per_token  # noqa: E402
-from glmctl.plan.prediction.rank import variant_formats  # noqa: E402
-from glmctl.plan.weights import (  # noqa: E402
-    BF16,
-    matrix_bytes,
-    routed_experts_bytes,
-    weight_groups,
-)
+from glmctl.plan.prediction import decode_bytes  # noqa: E402
 
 TP = 8
 TARGETS_MS = {"8x22k": 7.0, "1x64k": 5.0}  # issue 27
@@ -74,59 +67,8 @@ KERNEL_CHOICES = {
 }
 
 
-def distinct_experts(tokens: int, experts: int, top_k: int) -> float:
-    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
-
-
-def _fp8_bf16_split(m, formats) -> dict[str, tuple[int, int]]:
-    """(FP8 bytes, bf16 bytes) of each linear group: an FP8 group's bf16-held parts (kv_b_proj, KDA's
-    b/f/g projections, the indexer's wk) are what stays when the group is priced in bf16 instead.
-    The FP8 share is priced from the difference (2 - 1 bytes per weight; block scales, 1/16384 of it,
-    inside the rounding)."""
-    out = {}
-    fp8_groups = {g.group: g.bytes for g in weight_groups(m, TP, formats)}
-    for group in ("dense", "mla", "kda"):
-        as_bf16 = {g.group: g.bytes for g in weight_groups(m, TP, formats.model_copy(update={group: BF16}))}
-        fp8 = as_bf16[group] - fp8_groups[group] if getattr(formats, group).kind == "fp8" else 0
-        out[group] = (fp8, fp8_groups[group] - fp8)
-    return out
-
-
 def step_bytes(sessions: int, context: int, mtp: int, variant: str = "exl3") -> dict[str, float]:
-    """Bytes each component must move in one decode step (the model of the module doc)."""
-    m = load_model_spec("glm-5.3-flash")
-    formats = variant_formats(variant)
-    t_target = sessions * (mtp + 1)
-    drafter = [t_target] + [sessions] * max(0, mtp - 1) if mtp else []
-    per_expert = routed_experts_bytes(m, TP, formats.experts) / m.n_routed_experts
-    moe, h = len(m.moe_layers), m.hidden_size
-    experts = per_expert * (moe * distinct_experts(t_target, m.n_routed_experts, m.num_experts_per_tok)
-                            + sum(distinct_experts(t, m.n_routed_experts, m.num_experts_per_tok) for t in drafter))
-    split = _fp8_bf16_split(m, formats)
-    mla_layers = len(m.mla_layers)
-    # the drafter's one MLA layer + shared expert: its FP8 and bf16 shares as one target MLA layer + one shared MLP
-    shared_i = m.moe_intermediate_size * m.n_shared_experts // TP
-    shared_fp8 = 2 * matrix_bytes(formats.dense, h, shared_i) + matrix_bytes(formats.dense, shared_i, h)
-    mla_fp8_1, mla_bf16_1 = split["mla"][0] / mla_layers, split["mla"][1] / mla_layers
-    fp8 = sum(v[0] for v in split.values()) + len(drafter) * (mla_fp8_1 + shared_fp8)
-    vocab_rank = -(-m.vocab_size // 64) * 64 // TP
-    head = matrix_bytes(BF16, vocab_rank, h)
-    router = 2 * m.n_routed_experts * h
-    eh_proj = matrix_bytes(BF16, 2 * h, h)
-    bf16 = (sum(v[1] for v in split.values()) + (1 + len(drafter)) * head + moe * router
-            + len(drafter) * (mla_bf16_1 + router + eh_proj))
-    n = m.hc_mult
-    mix = (2 + n) * n
-    blocks = 2 * m.num_hidden_layers
-    mhc = blocks * (4 * mix * n * h + t_target * n * h * 2 * 2 + t_target * h * 2 * 2)
-    tokens_all = t_target * mla_layers + sum(drafter)
-    mla = tokens_all * min(m.index_topk or context, context) * mla_bytes_per_token(m, "fp8")
-    pooled = -(-context // m.index_kpool)
-    indexer = (mla_layers + len(drafter)) * sessions * pooled * indexer_state_bytes(m)
-    conv, recurrent = kda_state_bytes(m, TP, mtp)
-    kda = len(m.kda_layers) * sessions * 2 * (conv + recurrent)
-    return {"routed_experts": experts, "fp8_linear": fp8, "dense_gemm": bf16, "norms_mhc": mhc,
-            "mla_attention": mla, "indexer": indexer, "kda": kda}
+    return decode_bytes.step_bytes(load_model_spec("glm-5.3-flash"), sessions, context, mtp, variant, TP)
 
 
 def components_of(breakdown: dict) -> tuple[dict[str, float], int]:

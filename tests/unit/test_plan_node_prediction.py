@@ -44,20 +44,40 @@ def run() -> MeasuredRun:
 
 
 def test_kinds_scale_by_the_ratio_that_bounds_them(run):
+    from glmctl.plan.prediction.decode_bytes import step_bytes
+    from glmctl.plan.prediction.node_records import NON_BANDWIDTH_RATIO_LOW, TARGET_COPY_EFFICIENCY
+
     pred = predict_node(run, time_model=_free_collectives, collective_label="none")
     ref = pred.cells[0]
     lines = {k.kind: k for k in ref.kinds}
     bw = 4320.0 / 864.0  # 5.0: bandwidth-bound decode kinds
-    assert lines["routed_experts"].ratio == pytest.approx(bw) and lines["routed_experts"].bound == "bandwidth"
+    need = step_bytes(load_model_spec("glm-5.3-flash"), 8, 240_000, 3, "exl3", 8)
+    l40_bw = 864e9 * TARGET_COPY_EFFICIENCY
+    # roofline kinds: their bytes at the L40's bandwidth, or their stand-in time where that is longer
+    for kind in ("routed_experts", "mla_attention", "indexer", "kda", "norms_mhc"):
+        line = lines[kind]
+        floor = need[kind] / l40_bw * 1e6
+        assert line.bound == "roofline" and line.bytes == need[kind]
+        assert line.floor_us == pytest.approx(floor, abs=0.1)
+        assert line.predicted_us == pytest.approx(max(floor, BREAKDOWN[kind]), rel=1e-6)
+    assert lines["routed_experts"].predicted_us > BREAKDOWN["routed_experts"]  # 4 ms can't move ~12 GB on an L40
+    assert lines["indexer"].predicted_us == BREAKDOWN["indexer"]  # far above its floor: not bandwidth-bound
+    assert lines["shared_dense_mlp"].ratio == pytest.approx(bw) and lines["shared_dense_mlp"].bound == "bandwidth"
     assert lines["launch_gaps"].ratio == 1.0  # launch latency is not scaled
-    expected = sum(BREAKDOWN.values()) * bw - 500.0 * (bw - 1)
+    expected = sum(k.predicted_us for k in ref.kinds)
     assert ref.predicted_step_us == pytest.approx(expected, abs=0.1)
     # tok/s = sessions x stated tokens per step / step
     assert ref.predicted_tok_s == pytest.approx(8 * REPORT_TOKENS_PER_STEP["mtp:3"] / (expected * 1e-6), abs=0.1)
+    # the range's fast end: the time beyond the floors x the SM-count x clock ratio
+    fast = sum(max(k.floor_us, k.measured_us * NON_BANDWIDTH_RATIO_LOW) if k.bound == "roofline" else k.predicted_us
+               for k in ref.kinds)
+    assert ref.range_tok_s == pytest.approx((ref.predicted_tok_s, 8 * REPORT_TOKENS_PER_STEP["mtp:3"] / (fast * 1e-6)),
+                                            abs=0.2)
     assert (ref.report_tok_s, ref.context_label) == (704.0, "240k")
     assert ref.ratio_to_report == pytest.approx(ref.predicted_tok_s / 704.0, abs=1e-3)
     assert ref.dominated_by.startswith("routed_experts")
     assert ref.label.startswith("predicted (from the H200 rank step")
+    assert any("roofline kinds" in n for n in pred.notes)
 
 
 def test_compute_bound_override_uses_tensor_throughput(run):
@@ -197,7 +217,7 @@ def test_rank_sim_records_become_cells_reference_and_prefill(tmp_path):
     pred = predict_node(run, time_model=_free_collectives)
     lines = {k.kind: k for k in pred.cells[0].kinds}
     assert lines["host_between_steps"].ratio == lines["gpu_idle_in_span"].ratio == 1.0
-    assert lines["dense_gemm"].bound == "bandwidth" and lines["sampler"].bound == "bandwidth"
+    assert lines["dense_gemm"].bound == "roofline" and lines["sampler"].bound == "bandwidth"
     assert pred.cells[0].report_tok_s == 704.0  # 227k is the report's ~240k column
     one, queue = pred.prefill
     ratio = 724.0 / 181.05

@@ -16,7 +16,7 @@ def test_expert_bytes_follow_the_distinct_experts():
     b8 = rank_decode.step_bytes(8, 22_000, 3)
     b1 = rank_decode.step_bytes(1, 64_000, 3)
     per_expert = 1_598_976  # one expert's 4-bit EXL3 slice on a TP8 rank (bench/results/moe-decode-h200.json)
-    d = rank_decode.distinct_experts
+    from glmctl.plan.prediction.decode_bytes import distinct_experts as d
     want = per_expert * (42 * d(32, 288, 8) + d(32, 288, 8) + 2 * d(8, 288, 8))
     assert b8["routed_experts"] == pytest.approx(want, rel=1e-3)
     assert b1["routed_experts"] < b8["routed_experts"] / 4

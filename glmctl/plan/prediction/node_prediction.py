@@ -31,13 +31,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from glmctl.errors import ConfigError
 from glmctl.plan.model import ModelSpec, load_model_spec
 from glmctl.plan.prediction import node_whole_step as whole
+from glmctl.plan.prediction.decode_bytes import step_bytes
 from glmctl.plan.prediction.node_records import (
     ACCEPTANCE_SOURCE,
     CONTEXT_LABELS,
     DECODE_BOUNDS,
     L40_DATASHEET,
+    NON_BANDWIDTH_RATIO_LOW,
     REPORT_DECODE_CELLS,
     REPORT_TOKENS_PER_STEP,
+    TARGET_COPY_EFFICIENCY,
     CellPrediction,
     Collective,
     CollectiveTimeModel,
@@ -48,6 +51,7 @@ from glmctl.plan.prediction.node_records import (
     StepCell,
     bound_ratio,
     collectives_us,
+    roofline_us,
     scaled_kinds,
 )
 from glmctl.plan.serving_setup import parse_speculative
@@ -172,9 +176,17 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
         calls = cell.collectives or decode_step_collectives(model, run.tp, cell.sessions,
                                                             parse_speculative(spec).num_tokens)
         coll = collectives_us(calls, run.tp, time_model)
-        kinds, basis, extra = _cell_kinds(cell, shares_of, bounds, run, target, coll, acceptance[spec], spec)
+        need = step_bytes(model, cell.sessions, cell.context_tokens, parse_speculative(spec).num_tokens,
+                          cell.experts or run.experts, run.tp)
+        kinds, basis, extra = _cell_kinds(cell, shares_of, bounds, run, target, coll, acceptance[spec], spec, need)
         step = sum(k.predicted_us for k in kinds) + coll
         tok_s = cell.sessions * acceptance[spec] / (step * 1e-6)
+        roofline_range = {}
+        if not extra and any(k.bound == "roofline" for k in kinds):
+            fast = sum(k.predicted_us if k.bound != "roofline" else
+                       roofline_us(k.measured_us, k.bytes, target, NON_BANDWIDTH_RATIO_LOW)[0] for k in kinds) + coll
+            roofline_range = {"range_tok_s": (round(tok_s, 1),
+                                              round(cell.sessions * acceptance[spec] / (fast * 1e-6), 1))}
         label_ctx = context_label(cell.context_tokens)
         report = REPORT_DECODE_CELLS.get((cell.sessions, label_ctx, spec))
         if extra and report:
@@ -192,11 +204,14 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
             predicted_step_us=round(step, 1), tokens_per_step=acceptance[spec], predicted_tok_s=round(tok_s, 1),
             report_tok_s=report, ratio_to_report=round(tok_s / report, 3) if report else None,
             dominated_by=f"{dominant} ({share:.0%})",
-            label=(f"predicted (from the {run.device.name} rank step, {basis}; scaled to {target.name} "
+            label=(f"predicted (from the {run.device.name} rank step, {basis}; "
+                   + (f"roofline per kind: its bytes at the {target.name}'s bandwidth or its {run.device.name} "
+                      "time, the longer; " if roofline_range else "")
+                   + f"scaled to {target.name} "
                    f"{'datasheet' if target is L40_DATASHEET else 'figures'}; collectives from "
                    f"{short}; {acceptance[spec]:g} tokens/step "
                    "stated)"),
-            **extra,
+            **extra, **roofline_range,
         ))
     from glmctl.plan.prediction.node_prefill import predict_prefill
 
@@ -208,6 +223,12 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
         f"{model.vocab_size:,}-token logits first, so the sampler's kinds (sampler, sampler_mtp) are an "
         "underestimate there",
         "launch_gaps are not scaled: in-graph launch latency is taken as equal on both GPUs",
+        f"roofline kinds ({', '.join(k for k, b in bounds.items() if b == 'roofline')}): predicted = the larger of "
+        f"the bytes each must move per step (glmctl.plan.prediction.decode_bytes, {run.experts} experts) at "
+        f"{TARGET_COPY_EFFICIENCY:.0%} of the {target.name}'s datasheet bandwidth (the stand-in's measured copy "
+        f"share, assumed) and its {run.device.name} time (what did not run at bandwidth there: launch latency, "
+        f"issue, ALU; taken as equal; the range's fast end takes it x{NON_BANDWIDTH_RATIO_LOW:.2f}, the SM count x "
+        "boost clock ratio, for ALU-bound work); torch glue, activation and runner kernels are launch-bound",
     ]
     if shares_of is None:
         notes.append("no breakdown was measured: every step is scaled whole by the stated assumption "
@@ -225,19 +246,20 @@ def _rounded(x: float | None) -> float | None:
 
 
 def _cell_kinds(cell: StepCell, shares_of: StepCell | None, bounds: dict, run: MeasuredRun, target: DeviceFigures,
-                coll: float, tokens_per_step: float, spec: str) -> tuple[list[KindLine], str, dict]:
+                coll: float, tokens_per_step: float, spec: str,
+                need: dict[str, float]) -> tuple[list[KindLine], str, dict]:
     """The cell's kinds scaled to the target, the basis in words, and (cells measured whole) the
     range fields of `CellPrediction`."""
     where = f"cell {cell.sessions} x {cell.context_tokens:,} {spec}"
     if cell.breakdown_us:
-        return scaled_kinds(cell.breakdown_us, bounds, run.device, target), "its own breakdown", {}
+        return scaled_kinds(cell.breakdown_us, bounds, run.device, target, step_bytes=need), "its own breakdown", {}
     if not cell.step_us:
         raise ConfigError(f"{where} has neither step_us nor breakdown_us")
     if shares_of is not None:
         total = sum(shares_of.breakdown_us.values())
         breakdown = {k: v / total * cell.step_us for k, v in shares_of.breakdown_us.items()}
         basis = f"its measured step x the {shares_of.sessions} x {shares_of.context_tokens:,} breakdown's shares"
-        return scaled_kinds(breakdown, bounds, run.device, target), basis, {}
+        return scaled_kinds(breakdown, bounds, run.device, target, step_bytes=need), basis, {}
     a = run.whole_step
     r = bound_ratio(run.device, target, a.bound)
     ends = tuple(round(whole.tok_s_at(s, cell.step_us, r, coll, cell.sessions, tokens_per_step), 1)

@@ -11,7 +11,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Bound = Literal["bandwidth", "compute_bf16", "compute_fp8", "launch"]
+Bound = Literal["bandwidth", "compute_bf16", "compute_fp8", "launch", "roofline"]
 
 
 class DeviceFigures(BaseModel):
@@ -24,7 +24,7 @@ class DeviceFigures(BaseModel):
     source: str
 
     def throughput(self, bound: Bound) -> float:
-        if bound == "bandwidth":
+        if bound in ("bandwidth", "roofline"):
             return self.memory_bandwidth_gbps
         if bound == "compute_fp8":
             return self.fp8_tflops or 2 * self.bf16_tflops
@@ -49,11 +49,24 @@ H200_MEASURED_HERE = DeviceFigures(
 # gpu_idle_in_span) and as the issue names them (shared_dense_mlp, sampler_mtp, launch_gaps);
 # host_between_steps is the measured step beyond the profiled kernel span (CPU-side scheduling).
 _NOT_SCALED = ("launch_gaps", "gpu_idle_in_span", "host_between_steps")
+# Decode kinds whose bytes `decode_bytes.step_bytes` models take the roofline (`roofline_us`):
+# the bytes they must move at the target's bandwidth, or their stand-in time where that is longer
+# (what did not run at bandwidth there: launch latency, issue, ALU). Small kernels between them
+# (glue, activation, runner bookkeeping) are launch-bound.
+ROOFLINE_KINDS = ("mla_attention", "indexer", "kda", "routed_experts", "fp8_linear", "dense_gemm", "norms_mhc")
 DECODE_BOUNDS: dict[str, Bound] = {
-    **{k: "bandwidth" for k in ("mla_attention", "indexer", "kda", "routed_experts", "shared_dense_mlp",
-                                "dense_gemm", "norms_mhc", "sampler_mtp", "sampler", "memcpy", "other")},
-    **{k: "launch" for k in _NOT_SCALED},
+    **{k: "roofline" for k in ROOFLINE_KINDS},
+    **{k: "bandwidth" for k in ("shared_dense_mlp", "sampler_mtp", "sampler", "memcpy", "other")},
+    **{k: "launch" for k in (*_NOT_SCALED, "torch_glue", "activation", "runner")},
 }
+# The roofline's two stated inputs. A device copy reaches this share of the target's datasheet
+# bandwidth, taken as the stand-in's: the H200's measured ~4.3 TB/s of its datasheet 4.8 TB/s.
+TARGET_COPY_EFFICIENCY = 4.3 / 4.8
+# What a kind's stand-in time beyond its bandwidth floor becomes on the target: x1 (launch latency,
+# taken as equal) down to x0.74 (issue-bound ALU work: an H200's 132 SMs x 1.98 GHz over an L40's
+# 142 SMs x 2.49 GHz, datasheet boost clocks). The prediction takes x1; the range shows x0.74.
+NON_BANDWIDTH_RATIO = 1.0
+NON_BANDWIDTH_RATIO_LOW = (132 * 1.98) / (142 * 2.49)
 PREFILL_BOUNDS: dict[str, Bound] = {
     **{k: "compute_bf16" for k in ("mla_attention", "kda", "routed_experts", "shared_dense_mlp", "dense_gemm")},
     "indexer": "compute_fp8",
@@ -105,6 +118,7 @@ class StepCell(BaseModel):
     step_us: float | None = Field(None, gt=0)
     breakdown_us: dict[str, float] | None = None
     collectives: list[Collective] | None = None  # default: the model's own per-step calls
+    experts: str | None = None  # the rank model's experts variant (exl3, fp8, bf16); default the run's
 
 
 class PrefillMeasurement(BaseModel):
@@ -164,6 +178,7 @@ class MeasuredRun(BaseModel):
     cells: list[StepCell] = []
     tokens_per_step: dict[str, float] = {}  # by speculative method; default REPORT_TOKENS_PER_STEP
     bounds: dict[str, Bound] = {}  # per-kind overrides of DECODE_BOUNDS
+    experts: str = "exl3"  # the rank model's experts variant, for the roofline's bytes
     prefill: PrefillMeasurement | None = None
     whole_step: WholeStepAssumption = WholeStepAssumption()  # cells measured whole, when no breakdown exists
 
@@ -174,6 +189,8 @@ class KindLine(BaseModel):
     bound: Bound
     ratio: float  # predicted / measured
     predicted_us: float
+    bytes: float | None = None  # roofline kinds: the bytes the kind must move per step
+    floor_us: float | None = None  # roofline kinds: those bytes at the target's bandwidth
 
 
 class CellPrediction(BaseModel):
@@ -224,11 +241,30 @@ def bound_ratio(stand_in: DeviceFigures, target: DeviceFigures, bound: Bound) ->
     return 1.0 if bound == "launch" else stand_in.throughput(bound) / target.throughput(bound)
 
 
+def roofline_us(measured_us: float, nbytes: float, target: DeviceFigures,
+                other_ratio: float = NON_BANDWIDTH_RATIO) -> tuple[float, float]:
+    """(predicted µs, floor µs): the bytes at the target's copy bandwidth, or the stand-in's time x
+    `other_ratio` where that is longer."""
+    floor = nbytes / (target.memory_bandwidth_gbps * 1e9 * TARGET_COPY_EFFICIENCY) * 1e6
+    return max(floor, measured_us * other_ratio), floor
+
+
 def scaled_kinds(breakdown: dict[str, float], bounds: dict[str, Bound], stand_in: DeviceFigures,
-            target: DeviceFigures, factor: Callable[[str], float] = lambda kind: 1.0) -> list[KindLine]:
+                 target: DeviceFigures, factor: Callable[[str], float] = lambda kind: 1.0,
+                 step_bytes: dict[str, float] | None = None,
+                 other_ratio: float = NON_BANDWIDTH_RATIO) -> list[KindLine]:
+    """Each kind scaled by what bounds it; a roofline kind without modelled bytes is scaled as
+    bandwidth-bound (its whole stand-in time by the bandwidth ratio)."""
     lines = []
     for kind, us in breakdown.items():
         bound = bounds.get(kind, UNKNOWN_KIND_BOUND)
+        if bound == "roofline" and step_bytes and step_bytes.get(kind):
+            predicted, floor = roofline_us(us, step_bytes[kind], target, other_ratio)
+            lines.append(KindLine(kind=kind, measured_us=us, bound=bound, ratio=round(predicted / us, 4) if us else 1.0,
+                                  predicted_us=predicted, bytes=step_bytes[kind], floor_us=round(floor, 1)))
+            continue
+        if bound == "roofline":
+            bound = "bandwidth"
         r = bound_ratio(stand_in, target, bound) * factor(kind)
         lines.append(KindLine(kind=kind, measured_us=us, bound=bound, ratio=round(r, 4), predicted_us=us * r))
     return lines
