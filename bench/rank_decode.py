@@ -65,6 +65,27 @@ KERNEL_CHOICES = {
     "kda": "vLLM's FLA Triton kernels (fused_recurrent, causal_conv1d_update): the same on sm_89",
     "sampler": "torch sampler (VLLM_USE_FLASHINFER_SAMPLER=0) and vLLM's Triton rejection sampler",
 }
+# What replaces a component's stock kernels when a record's kernel table shows glmctl's instead
+# (kernel name fragment -> component, text)
+ALTERNATIVES = (
+    ("_fp8_block_linear_kernel", "fp8_linear",
+     "glmctl's Triton W8A16 block-FP8 linear (kernels/fp8_block_linear.py, GLMCTL_FP8_LINEAR=glmctl; mma.sync, "
+     "no wgmma/TMA, sm_89 cross-compiled: an sm_89 node runs the same kernel)"),
+    ("_bf16_gemv_kernel", "dense_gemm",
+     "cuBLAS(Lt) bf16/fp32 GEMMs, the MoE router's logits on glmctl's Triton GEMV (GLMCTL_ROUTER_GEMM=glmctl; "
+     "the same kernel on an sm_89 node)"),
+)
+
+
+def kernel_choices(records: list[dict]) -> dict[str, str]:
+    """KERNEL_CHOICES, with each component whose glmctl kernel ran in a profiled window named as such."""
+    names = {row["name"] for rec in records for c in rec.get("cells", [])
+             for row in (c.get("breakdown") or {}).get("kernels_table") or []}
+    out = dict(KERNEL_CHOICES)
+    for fragment, component, text in ALTERNATIVES:
+        if any(fragment in n for n in names):
+            out[component] = text
+    return out
 
 
 def step_bytes(sessions: int, context: int, mtp: int, variant: str = "exl3") -> dict[str, float]:
@@ -85,7 +106,7 @@ def components_of(breakdown: dict) -> tuple[dict[str, float], int]:
     return out, round(calls)
 
 
-def cell_entry(cell: dict, mtp: int, copy_bw: float) -> dict:
+def cell_entry(cell: dict, mtp: int, copy_bw: float, choices: dict[str, str] = KERNEL_CHOICES) -> dict:
     sessions, context = parse_cell(cell["cell"])
     b = cell.get("breakdown") or {}
     us, launches = components_of(b)
@@ -99,7 +120,7 @@ def cell_entry(cell: dict, mtp: int, copy_bw: float) -> dict:
         comps.append({"name": name, "us_per_step": round(t, 1),
                       "bytes_per_step": None if nbytes is None else int(nbytes),
                       "frac_copy": None if not (nbytes and t) else round(nbytes / (t * 1e-6) / copy_bw, 3),
-                      "kernels": KERNEL_CHOICES.get(name)})
+                      "kernels": choices.get(name)})
     busy = sum(us.values())
     floor_ms = sum(need.values()) / copy_bw * 1e3
     entry = {"cell": cell["cell"], "step_ms": cell.get("step_ms"), "floor_ms": round(floor_ms, 3),
@@ -125,16 +146,17 @@ def main() -> int:
     ap.add_argument("--note", action="append", default=[])
     args = ap.parse_args()
     cells, head = {}, {}
-    for path in args.records:
-        rec = json.loads(path.read_text())
+    records = [json.loads(path.read_text()) for path in args.records]
+    choices = kernel_choices(records)
+    for rec in records:
         head = head or {k: rec.get(k) for k in ("device", "vllm_version", "torch_version")}
         mtp = int((rec.get("settings") or {}).get("mtp", 0))
         for c in rec.get("cells", []):
             if "x" in c.get("cell", "") and c.get("step_ms"):
-                cells[c["cell"]] = cell_entry(c, mtp, args.copy_bw)  # a later record's cell wins
+                cells[c["cell"]] = cell_entry(c, mtp, args.copy_bw, choices)  # a later record's cell wins
     order = ["8x22k", "1x64k", "8x64k", "8x227k"]
     out = {**head, "source": args.source, "copy_bw_bytes_per_s": args.copy_bw,
-           "how": __doc__.split("\n\n")[1].strip(), "kernel_choices": KERNEL_CHOICES,
+           "how": __doc__.split("\n\n")[1].strip(), "kernel_choices": choices,
            "cells": [cells[k] for k in order if k in cells] + [v for k, v in cells.items() if k not in order],
            "missing_cells": [k for k in order if k not in cells], "notes": args.note}
     tmp = args.out.with_suffix(".tmp")

@@ -18,7 +18,9 @@
 #         RANK_SIM_DIR (the detached job's folder, default /root/rank-sim), RANK_SIM_SAVE_TRITON=1
 #         (put Triton's cache, autotuning included, into $OUT as triton-cache.tar.xz when under
 #         15 MiB; carry it next session as .rank-sim-cache/triton-cache.tar.xz to skip the JIT),
-#         RANK_SIM_COMPILE=1 (torch.compile + piecewise graphs; default: no compile, FULL decode graphs)
+#         RANK_SIM_COMPILE=1 (torch.compile + piecewise graphs; default: no compile, FULL decode graphs),
+#         RANK_SIM_SERVER_ENV="K=V K=V" (switches for every server, e.g. GLMCTL_FP8_LINEAR=glmctl
+#         GLMCTL_ROUTER_GEMM=glmctl: recorded in each record's settings.env)
 #
 # The run plan for ~15 minutes of device time (staging ~3 min included), one server boot:
 #   call 1..3   the staging pieces (../shared/tools/gpu-vllm-stage.sh prints them)
@@ -155,9 +157,12 @@ run() {  # name experts mtp plugin cells profile_cell extra...
   end_stale
   port=$((port + 1))  # a fresh port per run: nothing left on an old one can answer for this run
   echo "=== $name ($(date +%T), limit ${secs}s, port $port)"
+  local server_env=()
+  for e in ${RANK_SIM_SERVER_ENV:-}; do server_env+=(--env "$e"); done
   timeout --kill-after=20 $((secs + 30)) python3 bench/rank_sim.py --model "$dir" --name "$name" \
     --mtp "$mtp" --plugin "$plugin" --cells "$cells" ${prof:+--profile-cell "$prof"} $compile --port "$port" \
-    --env "VLLM_ENGINE_ITERATION_TIMEOUT_S=600" --out "$OUT/rank-sim-$name.json" --deadline "$secs" "$@"
+    --env "VLLM_ENGINE_ITERATION_TIMEOUT_S=600" "${server_env[@]}" --out "$OUT/rank-sim-$name.json" \
+    --deadline "$secs" "$@"
   echo "=== $name rc=$?"
   end_stale  # python ended the group itself unless it was killed first; this is the fallback
   local log="$OUT/vllm-$name.log"

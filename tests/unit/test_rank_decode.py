@@ -42,3 +42,13 @@ def test_cell_components_and_floor():
     assert e["floor_ms"] == round(sum(need.values()) / 4.19e12 * 1e3, 3)
     assert e["other_frac"] == round(100.0 / 7020.0, 4)
     assert e["measured_over_target"] == round(17.4 / 7.0, 2)
+
+
+def test_kernel_choices_name_what_ran():
+    stock = {"cells": [{"breakdown": {"kernels_table": [{"name": "void marlin::Marlin<...>"}]}}]}
+    ours = {"cells": [{"breakdown": {"kernels_table": [{"name": "_fp8_block_linear_kernel"},
+                                                       {"name": "_bf16_gemv_kernel"}]}}]}
+    assert rank_decode.kernel_choices([stock]) == rank_decode.KERNEL_CHOICES
+    choices = rank_decode.kernel_choices([stock, ours])
+    assert "glmctl's Triton W8A16" in choices["fp8_linear"] and "GEMV" in choices["dense_gemm"]
+    assert choices["routed_experts"] == rank_decode.KERNEL_CHOICES["routed_experts"]
