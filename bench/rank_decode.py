@@ -11,18 +11,8 @@ so an old record reads with today's kinds), each beside `bytes_per_step`, the by
 must move at least, and `frac_copy` = bytes / time / the device-to-device copy bandwidth. The
 floor is the sum of those bytes over the copy bandwidth.
 
-The bytes (`step_bytes`, `glmctl.plan.prediction.decode_bytes`) are a stated model, not a measurement:
-  - passes per step: the target forward on S x (k + 1) tokens, then the MTP drafter's k passes of
-    its one layer on [S x (k + 1), S, ...] tokens (vLLM 0.30's V2 runner; 45 MoE-layer calls per
-    step in the profile = 42 target layers + 3 drafter passes);
-  - routed experts: the distinct experts of a pass under uniform top-8 routing,
-    E (1 - (1 - 8/E)^T), x one expert's bytes on the rank (`glmctl.plan.weights`), per MoE layer;
-  - FP8 / bf16 linears: the weights of every linear the pass runs once (`glmctl.plan.weights`, the
-    FP8 and bf16 shares of each group), the LM head once per pass, the router once per MoE layer;
-  - mHC: the mixer weights (fp32) and the residual streams read and written, per block;
-  - attention: sparse MLA reads top-k cached latents per token and MLA layer, the indexer reads
-    every pooled key of the context, KDA reads and writes each request's recurrent state;
-  - activations of the linears are counted once per pass (small beside the weights).
+The bytes (`step_bytes`) are a stated model, not a measurement: `glmctl.plan.prediction.decode_bytes`
+(its module doc lists what each kind is charged; the node prediction's roofline uses the same).
 Uniform routing is an upper bound on the experts a real batch touches: random router weights on
 correlated hidden states may touch fewer (in the 8x22k cell the EXL3 calls took 192 us each against
 376 us for the same kernels under uniform routing in bench/exl3.py), so the experts' `frac_copy`

@@ -86,38 +86,39 @@ def register_op() -> None:
     _lib = lib
 
 
-def create_block_fp8_weights(layer, weight_block_size, input_size_per_partition, output_partition_sizes,
-                             input_size, output_size, params_dtype, weight_loader) -> None:
+class BlockFp8Weights:
     """The parameters vLLM's block `Fp8LinearMethod` registers (fp8 `weight` [N, K], fp32
-    `weight_scale_inv` [ceil(N/B), ceil(K/B)]) with the same loaders and shard checks."""
-    layer.logical_widths = output_partition_sizes
-    layer.input_size_per_partition = input_size_per_partition
-    layer.output_size_per_partition = sum(output_partition_sizes)
-    layer.orig_dtype = params_dtype
-    layer.weight_block_size = weight_block_size
-    validate_fp8_block_shape(layer, input_size, output_size, input_size_per_partition,
-                             output_partition_sizes, weight_block_size)
-    layer.register_parameter("weight", create_fp8_weight_parameter(
-        layer.output_size_per_partition, input_size_per_partition, weight_loader))
-    layer.register_parameter("weight_scale_inv", create_fp8_scale_parameter(
-        BlockQuantScaleParameter, output_partition_sizes, input_size_per_partition,
-        weight_block_size, weight_loader))
-
-
-class GlmctlFp8LinearMethod(LinearMethodBase):
-    """vLLM's block `Fp8LinearMethod` parameters, run by glmctl's W8A16 Triton kernel."""
+    `weight_scale_inv` [ceil(N/B), ceil(K/B)]) with the same loaders and shard checks: a mixin for
+    the linear methods that hold them."""
 
     def __init__(self, weight_block_size) -> None:
         super().__init__()
         self.weight_block_size = list(weight_block_size)
-        if self.weight_block_size != [128, 128]:
-            raise ValueError(f"glmctl's FP8 linear takes 128x128 blocks, not {self.weight_block_size}")
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
-        create_block_fp8_weights(layer, self.weight_block_size, input_size_per_partition,
-                                 output_partition_sizes, input_size, output_size, params_dtype,
-                                 extra_weight_attrs.get("weight_loader"))
+        layer.logical_widths = output_partition_sizes
+        layer.input_size_per_partition = input_size_per_partition
+        layer.output_size_per_partition = sum(output_partition_sizes)
+        layer.orig_dtype = params_dtype
+        layer.weight_block_size = self.weight_block_size
+        validate_fp8_block_shape(layer, input_size, output_size, input_size_per_partition,
+                                 output_partition_sizes, self.weight_block_size)
+        weight_loader = extra_weight_attrs.get("weight_loader")
+        layer.register_parameter("weight", create_fp8_weight_parameter(
+            layer.output_size_per_partition, input_size_per_partition, weight_loader))
+        layer.register_parameter("weight_scale_inv", create_fp8_scale_parameter(
+            BlockQuantScaleParameter, output_partition_sizes, input_size_per_partition,
+            self.weight_block_size, weight_loader))
+
+
+class GlmctlFp8LinearMethod(BlockFp8Weights, LinearMethodBase):
+    """vLLM's block `Fp8LinearMethod` parameters, run by glmctl's W8A16 Triton kernel."""
+
+    def __init__(self, weight_block_size) -> None:
+        super().__init__(weight_block_size)
+        if self.weight_block_size != [128, 128]:
+            raise ValueError(f"glmctl's FP8 linear takes 128x128 blocks, not {self.weight_block_size}")
 
     def process_weights_after_loading(self, layer) -> None:
         from vllm.model_executor.utils import replace_parameter

@@ -31,7 +31,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import replace_parameter
 
-from glmctl.plugin.quantization.fp8_glmctl import create_block_fp8_weights
+from glmctl.plugin.quantization.fp8_glmctl import BlockFp8Weights
 from glmctl.quantize.fp8 import dequantize_block_fp8
 
 
@@ -97,7 +97,7 @@ class AttentionFp8Config(QuantizationConfig):
 
 
 @register_weight_loader_v2_supported_method
-class Fp8DequantLinearMethod(UnquantizedLinearMethod):
+class Fp8DequantLinearMethod(BlockFp8Weights, UnquantizedLinearMethod):
     """Loads exactly the parameters vLLM's block `Fp8LinearMethod` creates (fp8 `weight` [N, K],
     fp32 `weight_scale_inv` [ceil(N/B), ceil(K/B)], same loaders and shard offsets), then replaces
     them by `dequantize_block_fp8(weight, weight_scale_inv)` in the model dtype and runs as an
@@ -105,15 +105,8 @@ class Fp8DequantLinearMethod(UnquantizedLinearMethod):
     as vLLM's loader placed their scales."""
 
     def __init__(self, weight_block_size) -> None:
-        super().__init__()
-        self.weight_block_size = list(weight_block_size)
+        super().__init__(weight_block_size)
         self.block = self.weight_block_size[0]
-
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
-                       output_size, params_dtype, **extra_weight_attrs):
-        create_block_fp8_weights(layer, self.weight_block_size, input_size_per_partition,
-                                 output_partition_sizes, input_size, output_size, params_dtype,
-                                 extra_weight_attrs.get("weight_loader"))
 
     def process_weights_after_loading(self, layer) -> None:
         replace_parameter(layer, "weight", dequantized_weight(layer, self.block))
