@@ -112,20 +112,21 @@ def direct_chunk_elems(numel: int, world: int) -> int:
 
 
 DEFAULT_DIRECT_CAPACITY = 512 * KiB  # bytes per direct-path slot (LL and native regions each)
-# The direct path by rank count. Measured on the thread rig (one H200, ranks as threads of one
-# process, captured graphs, 2026-12-01; bench/results/collectives-h200.md), LL words were the
-# fastest path at every size up to 64 KiB at 2 and 4 ranks and up to 32 KiB at 8, and bound by
-# their bytes from 32 KiB (4 ranks: 2 MiB cross the rig's one link per 64 KiB call, 38 of its
-# 46 us). The native one- and two-shot paths move half and a third of those bytes behind a stream
-# memory operation as the fence (0.57 us per operation there) and one or two flag rounds; the
-# limits below are where `cost_model` *predicts* each to be fastest on the node's links (8 ranks:
-# host memory shared, LL's 16 bytes per payload byte per rank cost most) and on the rig (2, 4:
-# what the thread rig can check). The rig re-measures every size with every path
-# (`bench/gpu/collectives_threads.sh`; `tests/unit/test_collectives_defaults.py` holds the
-# defaults to that record).
+# The direct path by rank count. On the thread rig (one H200, ranks as threads of one process,
+# captured graphs, 2026-12-01; bench/results/collectives-h200.md) LL words were the fastest path
+# measured at every size up to 64 KiB at 2 and 4 ranks and up to 32 KiB at 8, and bound by their
+# bytes from 32 KiB: at 4 ranks 2 MiB cross the rig's one link per 64 KiB call (38 of its 46 us).
+# The native one- and two-shot paths move a half and a third of those bytes (at 4 ranks) for a
+# fence and one or two flag rounds. The limits are where `cost_model` *predicts* each path fastest
+# from that run's fitted terms (`cost_terms`): on the rig for 2 and 4 ranks (4 ranks, 64 KiB:
+# direct_1s 25.5 us, direct_2s 25.6, LL 40.0), and for 8 ranks on the node's links, where host
+# memory is shared and LL's 16 bytes per payload byte per rank cost most (8 KiB: LL 14.5 us,
+# direct_1s 11.0; 16 KiB: direct_1s 16.2, direct_2s 14.5). The rig measures every path at every
+# small size (`bench/gpu/collectives_threads.sh`); `tests/unit/test_collectives_defaults.py`
+# holds these limits to its record.
 DIRECT_BY_WORLD = {
     2: DirectLimits(ll_max_bytes=16 * KiB, one_shot_max_bytes=256 * KiB),
-    4: DirectLimits(ll_max_bytes=8 * KiB, one_shot_max_bytes=32 * KiB, two_shot_max_bytes=256 * KiB),
+    4: DirectLimits(ll_max_bytes=8 * KiB, one_shot_max_bytes=64 * KiB, two_shot_max_bytes=256 * KiB),
     8: DirectLimits(ll_max_bytes=4 * KiB, one_shot_max_bytes=8 * KiB, two_shot_max_bytes=384 * KiB),
 }
 
