@@ -150,7 +150,7 @@ def test_plan_call_takes_the_measured_direct_limits_for_the_rank_count():
     assert plan_call("all_reduce", 1024, 2, 8, False, measured, cap).algorithm == "direct_ll"
     assert plan_call("all_reduce", 4096, 2, 8, False, measured, cap).algorithm == "direct_1s"
     assert plan_call("all_reduce", 128 * 1024, 2, 8, False, measured, cap).algorithm == "direct_2s"
-    assert plan_call("all_reduce", 32 * 1024, 2, 4, False, measured, cap).algorithm == "direct_2s"
+    assert plan_call("all_reduce", 64 * 1024, 2, 4, False, measured, cap).algorithm == "direct_2s"
     assert plan_call("all_reduce", 32 * 1024, 2, 2, False, measured, cap).algorithm == "direct_1s"
     off = PathOptions(direct=DirectLimits())
     assert plan_call("all_reduce", 16 * 1024, 2, 8, False, off, cap).algorithm == "one_shot"

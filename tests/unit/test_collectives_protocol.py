@@ -165,3 +165,18 @@ def test_direct_calls_need_two_parities():
         except BrokenProtocol:
             failures += 1
     assert failures > 0
+
+
+def test_the_fence_is_one_write_of_the_ranks_own_word():
+    """The direct path's fence between kernels: a stream memory write the driver fences after the
+    stream's earlier work; it waits for nobody."""
+    from glmctl.collectives.protocol import MemopSync
+
+    ran = []
+    sync = MemopSync(1, 4, lambda f, s, d: ("f", f, s, d), ("status", 1),
+                     run=lambda stream, ops, prepared: ran.append((stream, ops)), fence_word=0x40)
+    sync.fence(7)
+    assert [(s, [(o.kind, o.address, o.value) for o in ops]) for s, ops in ran] == [
+        (7, [("write", 0x40, 1)])]
+    with pytest.raises(RuntimeError):
+        MemopSync(0, 2, lambda f, s, d: 0, 0, run=lambda *a: None).fence(0)
