@@ -499,7 +499,10 @@ def measure(args) -> dict:
 def write(out: Path, doc: dict) -> None:
     rows = derive(doc["raw"], doc["ceiling"])
     doc["rows"], doc["targets"] = rows, targets(rows)
-    doc.update(decode_prediction(doc))
+    try:  # a prediction that fails never costs the run its record
+        doc.update(decode_prediction(doc))
+    except Exception as exc:  # noqa: BLE001
+        doc["decode_step_prediction_error"] = f"{type(exc).__name__}: {exc}"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "collectives-h200-threads.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1))

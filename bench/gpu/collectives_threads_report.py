@@ -166,12 +166,13 @@ def fitted_costs(doc: dict) -> cost_terms.ProtocolCosts | None:
 
 
 def decode_prediction(doc: dict) -> dict:
-    """The decode step's collectives on the report's node with this run's terms (predicted), the
-    levers, and the terms themselves; {} when the run has no barrier rows to fit."""
-    costs = fitted_costs(doc)
-    if costs is None:
-        return {}
-    from glmctl.plan.prediction.decode_collectives import decode_levers, decode_step_prediction
+    """The decode step's collectives on the report's node with this run's terms (predicted; the
+    module's terms when the run has no barrier rows to fit), the levers, and the terms."""
+    costs = fitted_costs(doc) or cost_model.PROTOCOL_COSTS
+    try:
+        from glmctl.plan.prediction.decode_collectives import decode_levers, decode_step_prediction
+    except ImportError as exc:  # the planner needs pydantic
+        return {"decode_step_prediction_error": f"{exc!r}"}
 
     int8 = [r for r in doc["rows"] if r.get("rel_err") is not None and r["ranks"] == 8
             and r["label"].startswith("decode")]
