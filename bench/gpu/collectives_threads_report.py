@@ -149,20 +149,14 @@ def target_lines(checks: list[dict]) -> list[str]:
 
 
 def fitted_costs(doc: dict) -> cost_terms.ProtocolCosts | None:
-    """This run's protocol terms (`cost_terms.fit_costs`; a record from before the direct kernels
-    polled every peer at once counts one poll per peer), over the module's for paths it lacks."""
-    rows = doc.get("rows", [])
-    if not any(r["op"] == "barrier" for r in rows):
+    """This run's protocol terms (`cost_terms.record_costs`), over the module's for paths it
+    lacks; None when it has no barrier rows to fit the memop cost from."""
+    if not any(r["op"] == "barrier" for r in doc.get("rows", [])):
         return None
-    polls = None if doc["meta"].get("direct_polls") == "per round" else cost_terms.SEQUENTIAL_POLLS
-    fit = cost_terms.fit_costs(rows, doc["ceiling"]["d2h"], f"fitted from the thread rig's run of "
-                               f"{doc['meta']['measured_at']}", poll_counts=polls)
-    launch = [r["time_us"] for r in rows if r["op"] == "launch"]
-    merged = cost_terms.with_direct_predictions(fit, min(launch)) if launch else fit
-    base = cost_model.PROTOCOL_COSTS
-    return cost_terms.ProtocolCosts(source=merged.source, per_memop_us=merged.per_memop_us,
-                                    rig_ceiling_gbps=merged.rig_ceiling_gbps,
-                                    paths={**base.paths, **merged.paths})
+    fit = cost_terms.record_costs(doc)
+    return cost_terms.ProtocolCosts(source=fit.source, per_memop_us=fit.per_memop_us,
+                                    rig_ceiling_gbps=fit.rig_ceiling_gbps,
+                                    paths={**cost_model.PROTOCOL_COSTS.paths, **fit.paths})
 
 
 def decode_prediction(doc: dict) -> dict:

@@ -221,3 +221,36 @@ def _size(n: int) -> str:
     if n >= 1 << 20 and n % (1 << 20) == 0:
         return f"{n >> 20} MiB"
     return f"{n >> 10} KiB" if n % 1024 == 0 else f"{n} B"
+
+
+def record_costs(doc: dict) -> ProtocolCosts:
+    """The fit of a thread-rig record (`collectives-h200-threads.json`, already loaded), with the
+    poll counts its kernels had, and the direct paths it lacks predicted from it."""
+    polls_of = None if doc["meta"].get("direct_polls") == "per round" else SEQUENTIAL_POLLS
+    fit = fit_costs(doc["rows"], doc["ceiling"]["d2h"], f"fitted on the thread rig's run of "
+                    f"{doc['meta']['measured_at']}", poll_counts=polls_of)
+    launch = [r["time_us"] for r in doc["rows"] if r["op"] == "launch"]
+    return with_direct_predictions(fit, min(launch)) if launch else fit
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print a record's fitted terms as the `PROTOCOL_COSTS` paths literal of `cost_model`."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m glmctl.collectives.cost_terms RECORD.json", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as fh:
+        costs = record_costs(json.load(fh))
+    print(f"per_memop_us={costs.per_memop_us!r}, rig_ceiling_gbps={costs.rig_ceiling_gbps!r}, paths={{")
+    for path, t in costs.paths.items():
+        print(f"    {path!r}: PathTerms({t.fixed_us!r}, {t.per_poll_us!r}, {t.rate_gbps!r}, "
+              f"{t.basis!r}),")
+    print("}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
