@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Smoke check of the host-staged collectives on a GPU before the long tests: 2 and 4 processes,
-one call of each kind (the direct path's LL and flag-line formats too), results checked, eager and
-graph timings printed. Exits non-zero on any failure."""
+one call of each kind (the direct path as LL words, one and two native shots too), results checked,
+eager and graph timings printed. Exits non-zero on any failure."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def rank_body(rank: int, world: int, session: str) -> dict:
         base = comm.options
         cap = base.direct.capacity
         for kind, limits in (("ll", DirectLimits(ll_max_bytes=cap // 2, capacity=cap)),
-                             ("flag", DirectLimits(flag_max_bytes=cap, capacity=cap))):
+                             ("1s", DirectLimits(one_shot_max_bytes=cap, capacity=cap)),
+                             ("2s", DirectLimits(two_shot_max_bytes=cap, capacity=cap))):
             comm.options = replace(base, direct=limits)
             for numel in (4096, 3 << 15):
                 x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device="cuda")

@@ -25,11 +25,14 @@ a result whose relative RMS error to the exact sum exceeds 1%; and elements that
 `rank_bytes` each rank's input. busbw = algbw * 2(n-1)/n (all-reduce) or (n-1)/n (all-gather).
 
 Phases, in priority order (each case starts only if the budget allows): `small` compares the
-small-message paths (barriers + SM/CE copies; the direct path as LL words or flag lines) at 2, 4,
-8 ranks and times their components alone (a barrier pair, a kernel launch); `sweep` is the nccl-
-tests-style sweep 4 KiB-256 MiB plus GLM-5.3-Flash's decode and prefill sizes, on the default
-paths (`plan.default_direct` for the rank count). Results go to
-DIR/collectives-h200-threads.json after every phase.
+small-message paths at 2, 4, 8 ranks, all-reduce 4-256 KiB and the logits gathers (the barrier
+path with SM copies; the direct path as LL words, one native shot, two native shots), and times
+their parts alone (a barrier pair, a fence, a kernel launch); `decode` runs the default (auto)
+paths at the sizes vLLM's decode issues (all-reduce of 1, 4, 8, 32, 48 tokens x 4096 bf16, and
+4-64 KiB; INT8 payloads requested at the decode sizes, with their error; the logits gathers);
+`sweep` (not by default) is the nccl-tests-style sweep 4 KiB-256 MiB plus the prefill sizes.
+Results go to DIR/collectives-h200-threads.json after every phase; last, the decode step's
+collectives on the node predicted with this run's fitted terms (`decode_step_prediction`).
 """
 
 from __future__ import annotations
@@ -52,28 +55,34 @@ from collectives_threads_report import (  # noqa: E402
     KiB,
     MiB,
     compact_table,
+    decode_prediction,
     derive,
     markdown,
     targets,
 )
 
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
-HIDDEN, VOCAB, TP_REF, PREFILL_CHUNK = 4096, 154_880, 8, 2048
+SMALL = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB]  # all-reduce bytes
+HIDDEN, VOCAB_RANK, PREFILL_CHUNK = 4096, 19_360, 2048  # vocab / 8 ranks (64-aligned): logits
 DECODE_TOKENS = (1, 4, 8, 32, 48)
+SMALL_PATHS = ("memops-sm", "direct-ll", "direct-1s", "direct-2s")
 GO_OFFSET = 192  # a free header word: the start gate of every timed replay
 DIRECT_CAP = 512 * KiB
 
 
 class NullSync:
-    """A Sync that waits for nobody: a rank's solo dry run of a barrier path."""
+    """A Sync that waits for nobody: a rank's solo dry run."""
 
     def barrier(self, b, stream):
+        pass
+
+    def fence(self, stream):
         pass
 
 
 @dataclass(frozen=True)
 class Case:
-    op: str  # all_reduce | all_gather | barrier | launch
+    op: str  # all_reduce | all_gather | barrier | fence | launch
     dtype: str  # bf16 | int8 | fp32
     rank_numel: int
     variant: str = "default"
@@ -94,15 +103,15 @@ class Phase:
 
 def variants(engines, world: int):
     """Option overrides by name, applied to each communicator's PathOptions."""
-    from glmctl.collectives.call_plan import CopyEngines, DirectLimits, default_direct
+    from glmctl.collectives.call_plan import DirectLimits, default_direct
 
     off = DirectLimits(capacity=DIRECT_CAP)
     return {
         "default": dict(direct=default_direct(world, DIRECT_CAP)),
         "memops-sm": dict(direct=off, engines=replace(engines, d2h_small="sm", h2d_small="sm")),
-        "memops-ce": dict(direct=off, engines=CopyEngines.uniform("ce")),
         "direct-ll": dict(direct=DirectLimits(ll_max_bytes=DIRECT_CAP // 2, capacity=DIRECT_CAP)),
-        "direct-flag": dict(direct=DirectLimits(flag_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)),
+        "direct-1s": dict(direct=DirectLimits(one_shot_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)),
+        "direct-2s": dict(direct=DirectLimits(two_shot_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)),
     }
 
 
@@ -118,37 +127,39 @@ def plan_phases(worlds: list[int], phases: list[str], max_mb: int,
 def _all_phases(worlds: list[int], phases: list[str], max_mb: int) -> list[Phase]:
     sizes = [s for s in SIZES if s <= max_mb * MiB]
     decode_ar = [HIDDEN * t for t in DECODE_TOKENS]  # elements per rank
-    logits = [VOCAB // TP_REF * t for t in DECODE_TOKENS]
+    logits = [VOCAB_RANK * t for t in DECODE_TOKENS[:4]]  # bf16 elements per rank
     out = []
-    if "small" in phases:
-        for w in worlds:
-            ph = Phase("small", w, 4 * MiB)
-            ph.cases += [Case("barrier", "bf16", 0, "memops-sm"), Case("launch", "bf16", 0, "memops-sm")]
-            # 128 and 192 KiB: where the LL and barrier paths cross at 2 and 4 ranks
-            small = sorted({*(s // 2 for s in sizes if s <= 64 * KiB), *decode_ar[:4],
-                            64 * KiB, 96 * KiB})
-            for v in ("memops-sm", "direct-ll", "memops-ce", "direct-flag"):
-                ph.cases += [Case("all_reduce", "bf16", n, v) for n in small]
-                ph.cases += [Case("all_gather", "fp32", n, v, label=f"logits x{t} tokens")
-                             for n, t in zip(logits[:3], DECODE_TOKENS[:3], strict=True)]
-            out.append(ph)
     for w in worlds:
-        big = Phase("sweep", w, max(sizes))
-        if "sweep" in phases:  # the decode sizes first, the largest messages last
-            big.cases += [Case("all_reduce", "bf16", n, label=f"decode x{t} tokens")
-                          for n, t in zip(decode_ar, DECODE_TOKENS, strict=True)]
-            big.cases += [Case("all_gather", "fp32", n, label=f"logits x{t} tokens")
-                          for n, t in zip(logits, DECODE_TOKENS, strict=True)]
-            for s in sizes:
+        if "small" in phases:
+            ph = Phase("small", w, 4 * MiB)
+            ph.cases += [Case(op, "bf16", 0, "memops-sm") for op in ("barrier", "fence", "launch")]
+            for v in SMALL_PATHS:
+                ph.cases += [Case("all_reduce", "bf16", b // 2, v) for b in SMALL]
+                if v != "direct-2s":  # a gather has one shot
+                    ph.cases += [Case("all_gather", "bf16", n, v, label=f"logits x{t} tokens")
+                                 for n, t in zip(logits[:2], DECODE_TOKENS[:2], strict=True)]
+            out.append(ph)
+        if "decode" in phases:  # the auto paths at the sizes decode issues
+            ph = Phase("decode", w, 4 * MiB)
+            sizes_ar = sorted({*(b // 2 for b in SMALL[:5]), *decode_ar})
+            label = {n: f"decode x{t} tokens" for n, t in zip(decode_ar, DECODE_TOKENS, strict=True)}
+            ph.cases += [Case("all_reduce", "bf16", n, label=label.get(n, "")) for n in sizes_ar]
+            ph.cases += [Case("all_reduce", "int8", n, label=label[n] + ", INT8 requested")
+                         for n in decode_ar]
+            ph.cases += [Case("all_gather", "bf16", n, label=f"logits x{t} tokens")
+                         for n, t in zip(logits, DECODE_TOKENS, strict=False)]
+            out.append(ph)
+        if "sweep" in phases:
+            big = Phase("sweep", w, max(sizes))
+            for s in sizes:  # the largest messages last
                 label = "prefill chunk (2048 tokens)" if s == PREFILL_CHUNK * HIDDEN * 2 else ""
                 for graph in (True, False):
                     big.cases += [Case("all_reduce", "bf16", s // 2, graph=graph, label=label),
                                   Case("all_reduce", "int8", s // 2, graph=graph, label=label),
                                   Case("all_gather", "bf16", s // 2 // w, graph=graph)]
-        if big.cases:
             out.append(big)
-    order = {"small": 0, "sweep": 1}
-    return sorted(out, key=lambda p: (order[p.name], p.world > 4, p.world))
+    order = {"decode": 0, "small": 1, "sweep": 2}
+    return sorted(out, key=lambda p: (order[p.name], p.world))
 
 
 def calls_for(nbytes: int) -> tuple[int, int]:
@@ -298,6 +309,8 @@ class Rig:
             if case.op == "barrier":
                 comm.sync.barrier(0, stream.cuda_stream)
                 comm.sync.barrier(1, stream.cuda_stream)
+            elif case.op == "fence":
+                comm.sync.fence(stream.cuda_stream)
             else:
                 kernels.bump_progress(comm.staging.progress)
             return None
@@ -306,15 +319,22 @@ class Rig:
         with self.lock:
             # First a solo dry run: it compiles and loads every kernel this rank's call launches
             # while no wait on a peer is pending (in one context, loading a kernel may wait for
-            # the whole context, and a pending memory-op wait needs a peer that cannot run). The
-            # direct path launches its one kernel first thing, so it needs none (and must not:
-            # its epochs count real calls).
+            # the whole context, and a pending wait needs a peer that cannot run: it holds no
+            # lock). Direct-path kernels run it against an abort word that is already set, so
+            # their polls give up after `ABORT_EVERY` tries; every rank bumps its epochs by the
+            # same one call, and the flags it leaves carry an epoch no later call waits for.
             if case.op == "launch":
                 kernels.bump_progress(comm.staging.progress)
-            elif plan is not None and not plan.algorithm.startswith("direct"):
+            elif plan is not None:
                 scratch = torch.empty(x.numel() * (self.world if case.op == "all_gather" else 1),
                                       dtype=x.dtype, device=x.device)
-                datapath.enqueue(plan, comm.staging, NullSync(), x, scratch, stream.cuda_stream)
+                staging = comm.staging
+                if plan.algorithm.startswith("direct"):
+                    aborted = torch.ones(1, dtype=torch.int32, device=x.device)
+                    self.shared[("aborted", r)] = aborted  # alive until the stream is done
+                    staging = replace(staging, direct=replace(staging.direct,
+                                                              abort=aborted.data_ptr()))
+                datapath.enqueue(plan, staging, NullSync(), x, scratch, stream.cuda_stream)
             stream.synchronize()
         self.rank_barrier.wait()
         with self.lock:  # the real warm-up: compiles whatever the dry run did not
@@ -353,9 +373,11 @@ class Rig:
         self.shared[("out", r)] = [t for t in results if t is not None]
         stream.synchronize()
         self.rank_barrier.wait()
-        wrong = self._count_wrong(case) if r == 0 and x is not None else 0
+        wrong, rel = self._count_wrong(case) if r == 0 and x is not None else (0, None)
         self.rank_barrier.wait()
         row = {"us": us, "wrong": wrong, "calls": calls, "replays": replays if case.graph else 1}
+        if rel is not None:
+            row["rel_err"] = rel
         if plan is not None:
             d2h, h2d = plan.bytes_moved()
             row.update(algorithm=plan.algorithm, d2h=plan.d2h, h2d=plan.h2d,
@@ -364,21 +386,24 @@ class Rig:
             del graph
         return row
 
-    def _count_wrong(self, case: Case) -> int:
+    def _count_wrong(self, case: Case) -> tuple[int, float | None]:
+        """(#wrong, for INT8 the worst relative RMS error of a result against the exact sum)."""
         import torch
 
         xs = [self.shared[("x", j)] for j in range(self.world)]
         outs = [self.shared[("out", j)] for j in range(self.world)]
         if case.op == "all_gather":
             ref = torch.cat(xs)
-            return sum(int((o.view(-1) != ref).sum()) for per in outs for o in per)
-        wrong = 0
+            return sum(int((o.view(-1) != ref).sum()) for per in outs for o in per), None
+        wrong, worst = 0, None
         if case.dtype == "int8":
             exact = sum(t.double() for t in xs)
             norm = exact.pow(2).mean().sqrt()
+            worst = 0.0
             for per in outs:
                 for o in per:
-                    rel = (o.double() - exact).pow(2).mean().sqrt() / norm
+                    rel = float((o.double() - exact).pow(2).mean().sqrt() / norm)
+                    worst = max(worst, rel)
                     wrong += o.numel() if not rel <= 0.01 else 0
         else:
             acc = torch.zeros(xs[0].numel(), dtype=torch.float32, device=xs[0].device)
@@ -390,7 +415,7 @@ class Rig:
         for per in outs[1:]:
             for o in per:
                 wrong += int((o.view(first.dtype) != first).sum())
-        return wrong
+        return wrong, worst
 
 
 
@@ -422,7 +447,9 @@ def measure(args) -> dict:
     doc = {"meta": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                     "triton": triton.__version__, "method": __doc__,
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "calibration": cal.model_dump(mode="json"), "default_direct": {n: str(v) for n, v in DIRECT_BY_WORLD.items()},
+                    "calibration": cal.model_dump(mode="json"),
+                    "default_direct": {n: str(v) for n, v in DIRECT_BY_WORLD.items()},
+                    "direct_polls": "per round",  # every peer polled at once (`cost_terms`)
                     "label": "measured on 1x H200, ranks as threads of one process (thread rig)"},
            "ceiling": ceil, "raw": [], "skipped": [], "errors": []}
     if old is not None:
@@ -472,6 +499,10 @@ def measure(args) -> dict:
 def write(out: Path, doc: dict) -> None:
     rows = derive(doc["raw"], doc["ceiling"])
     doc["rows"], doc["targets"] = rows, targets(rows)
+    try:  # a prediction that fails never costs the run its record
+        doc.update(decode_prediction(doc))
+    except Exception as exc:  # noqa: BLE001
+        doc["decode_step_prediction_error"] = f"{type(exc).__name__}: {exc}"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "collectives-h200-threads.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1))
@@ -484,7 +515,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out/collectives-threads"))
     ap.add_argument("--budget-s", type=float, default=100.0)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--phases", nargs="+", default=["small", "sweep"])
+    ap.add_argument("--phases", nargs="+", default=["decode", "small"])
     ap.add_argument("--max-mb", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[], help="path variants to leave out")
     ap.add_argument("--only", nargs="*", default=[], help="only these path variants")

@@ -19,10 +19,11 @@ The device keeps a mirror of the data and result areas (the "stage") with the sa
 kernel reads peers' slots from host memory (SM path) or from the stage after a copy-engine copy
 (CE path) with the same arguments.
 
-Direct plans (`direct`, `direct_ll`; `direct.py`): slot j of parity q at `(q * world + j) *
-slot_stride` of the segment's direct area, `slot_stride` being that area's fixed slot capacity;
-the message starts at offset 0 of its slot, natively or as LL words (4 payload bytes + 4 epoch
-bytes each).
+Direct plans (`direct_ll`, `direct_1s`, `direct_2s`; `direct.py`): slot j of parity q at
+`(q * world + j) * slot_stride` of the direct area's LL or native region, `slot_stride` being that
+area's fixed slot capacity. LL words (4 payload bytes + 4 epoch bytes each) start at offset 0 of an
+LL slot; a native message at offset 0 of a native slot, and for `direct_2s` the reduced chunk
+`chunk_span(j)` of rank j at `direct_result_offset(plan)` of its slot.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ KiB = 1024
 
 Engine = Literal["ce", "sm"]
 Op = Literal["all_reduce", "all_gather"]
-Algorithm = Literal["one_shot", "two_shot", "gather", "direct", "direct_ll"]
+Algorithm = Literal["one_shot", "two_shot", "gather", "direct_ll", "direct_1s", "direct_2s"]
+DIRECT_ALGORITHMS = ("direct_ll", "direct_1s", "direct_2s")
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -75,38 +77,57 @@ class CopyEngines:
 
 @dataclass(frozen=True)
 class DirectLimits:
-    """Which small messages take the direct path (one kernel that polls flags itself): LL words up
-    to `ll_max_bytes`, native payload with a flag line up to `flag_max_bytes` (0: never); both
-    within `capacity`, the direct area's slot (LL needs twice the message)."""
+    """Which small messages take the direct path (`direct.py`: kernels that poll their peers'
+    flags themselves, no barrier memory operations), the first that applies: LL words (one shot,
+    the epoch in every word: no fence, twice the bytes) up to `ll_max_bytes`; the native payload
+    read in one shot behind one fence up to `one_shot_max_bytes`; the native payload reduce-
+    scattered and all-gathered (two shots, two fences; all-reduce only, a gather takes one shot)
+    up to `two_shot_max_bytes`. Each within `capacity`, the direct area's slot (LL needs twice the
+    message; two shots the message and the reduced chunk). 0: never."""
 
     ll_max_bytes: int = 0
-    flag_max_bytes: int = 0
+    one_shot_max_bytes: int = 0
+    two_shot_max_bytes: int = 0
     capacity: int = 0
 
-    def algorithm(self, nbytes: int) -> Algorithm | None:
+    def algorithm(self, op: Op, numel: int, elem_bytes: int, world: int) -> Algorithm | None:
+        nbytes = numel * elem_bytes
         if nbytes <= self.ll_max_bytes and 2 * align_up(nbytes, 4) <= self.capacity:
             return "direct_ll"
-        if nbytes <= self.flag_max_bytes and nbytes <= self.capacity:
-            return "direct"
+        if nbytes <= self.one_shot_max_bytes and nbytes <= self.capacity:
+            return "direct_1s"
+        if nbytes <= self.two_shot_max_bytes:
+            if op == "all_gather":
+                return "direct_1s" if nbytes <= self.capacity else None
+            chunk = direct_chunk_elems(numel, world) * elem_bytes
+            if align_up(nbytes) + chunk <= self.capacity:
+                return "direct_2s"
         return None
 
 
-DEFAULT_DIRECT_CAPACITY = 512 * KiB  # bytes per direct-path slot: LL messages up to 256 KiB
-# The direct path by rank count: at every small all-reduce size the thread rig measured, the
-# fastest of the three paths (one H200, ranks as threads of one process, captured graphs,
-# 2026-12-01; bench/results/collectives-h200.md). Time per call, us:
-#   2 ranks: LL 4.4-13.4 up to 64 KiB (barrier path 18.8-22.4); 256 KiB: barrier path 36.9, LL 40.3
-#   4 ranks: LL 13.5-46.2 up to 64 KiB (flag 53-73, barrier 61-75); 256 KiB: barrier 137, flag
-#            153, LL 161 (flag lines never win at 4 ranks)
-#   8 ranks: LL 36-94 up to 32 KiB (flag 84-119); 64 KiB: flag 168, LL 173, barrier 285;
-#            256 KiB: flag 461, barrier 536, LL 640
-# Nothing was measured between 64 and 256 KiB; LL and barrier-path times are straight lines in
-# the size on both sides of 64 KiB, which puts their crossing at about 200 KiB (2 ranks) and
-# 170 KiB (4 ranks): LL up to 128 KiB there.
+def direct_chunk_elems(numel: int, world: int) -> int:
+    """Elements per rank chunk of a `direct_2s` call: a multiple of 8, so that every chunk starts
+    16-byte aligned; the last chunks may be shorter or empty."""
+    return align_up(cdiv(numel, world), 8)
+
+
+DEFAULT_DIRECT_CAPACITY = 512 * KiB  # bytes per direct-path slot (LL and native regions each)
+# The direct path by rank count. On the thread rig (one H200, ranks as threads of one process,
+# captured graphs, 2026-12-01; bench/results/collectives-h200.md) LL words were the fastest path
+# measured at every size up to 64 KiB at 2 and 4 ranks and up to 32 KiB at 8, and bound by their
+# bytes from 32 KiB: at 4 ranks 2 MiB cross the rig's one link per 64 KiB call (38 of its 46 us).
+# The native one- and two-shot paths move a half and a third of those bytes (at 4 ranks) for a
+# fence and one or two flag rounds. The limits are where `cost_model` *predicts* each path fastest
+# from that run's fitted terms (`cost_terms`): on the rig for 2 and 4 ranks (4 ranks, 64 KiB:
+# direct_1s 25.5 us, direct_2s 25.6, LL 40.0), and for 8 ranks on the node's links, where host
+# memory is shared and LL's 16 bytes per payload byte per rank cost most (8 KiB: LL 14.5 us,
+# direct_1s 11.0; 16 KiB: direct_1s 16.2, direct_2s 14.5). The rig measures every path at every
+# small size (`bench/gpu/collectives_threads.sh`); `tests/unit/test_collectives_defaults.py`
+# holds these limits to its record.
 DIRECT_BY_WORLD = {
-    2: DirectLimits(ll_max_bytes=128 * KiB),
-    4: DirectLimits(ll_max_bytes=128 * KiB),
-    8: DirectLimits(ll_max_bytes=32 * KiB, flag_max_bytes=256 * KiB),
+    2: DirectLimits(ll_max_bytes=16 * KiB, one_shot_max_bytes=256 * KiB),
+    4: DirectLimits(ll_max_bytes=8 * KiB, one_shot_max_bytes=64 * KiB, two_shot_max_bytes=256 * KiB),
+    8: DirectLimits(ll_max_bytes=4 * KiB, one_shot_max_bytes=8 * KiB, two_shot_max_bytes=384 * KiB),
 }
 
 
@@ -168,7 +189,7 @@ class CollectivePlan:
 
     @property
     def barriers(self) -> int:
-        return {"two_shot": 3, "direct": 0, "direct_ll": 0}.get(self.algorithm, 2)
+        return 0 if self.algorithm in DIRECT_ALGORITHMS else 3 if self.algorithm == "two_shot" else 2
 
     @property
     def result_bytes(self) -> int:
@@ -186,9 +207,12 @@ class CollectivePlan:
     def bytes_moved(self) -> tuple[int, int]:
         """(device-to-host, host-to-device) bytes rank 0 moves over its link in this call."""
         n = self.world
-        if self.algorithm in ("direct", "direct_ll"):
+        if self.algorithm in ("direct_ll", "direct_1s"):
             wire = 2 * align_up(self.nbytes, 4) if self.algorithm == "direct_ll" else self.nbytes
             return wire, (n - 1) * wire
+        if self.algorithm == "direct_2s":  # out: the others' chunks, then the own reduced one
+            own = self.chunk_span(0)[1] * self.elem_bytes
+            return self.nbytes, (n - 1) * own + (self.nbytes - own)
         if self.layout is not None:
             rec = self.layout.record_bytes
             if self.algorithm == "two_shot":
@@ -220,7 +244,7 @@ def plan_all_reduce(
     ranks (two-shot moves the same bytes then, with one more barrier); above that, reduce-scatter
     + all-gather, which reads 2(n-1)/n of the message instead of n-1."""
     nbytes = numel * elem_bytes
-    small = None if int8 else direct.algorithm(nbytes)
+    small = None if int8 else direct.algorithm("all_reduce", numel, elem_bytes, world)
     if small is not None:
         return _direct_plan("all_reduce", small, numel, elem_bytes, world, direct.capacity)
     two_shot = world > 2 and nbytes > one_shot_max_bytes
@@ -263,7 +287,7 @@ def plan_all_gather(
     engines: CopyEngines = CopyEngines(),
     direct: DirectLimits = DirectLimits(),
 ) -> CollectivePlan:
-    small = None if int8 else direct.algorithm(numel * elem_bytes)
+    small = None if int8 else direct.algorithm("all_gather", numel, elem_bytes, world)
     if small is not None:
         return _direct_plan("all_gather", small, numel, elem_bytes, world, direct.capacity)
     layout = int8_layout(numel, 1, group) if int8 else None
@@ -286,9 +310,15 @@ def plan_all_gather(
 
 def _direct_plan(op: Op, algorithm: Algorithm, numel: int, elem_bytes: int, world: int,
                  capacity: int) -> CollectivePlan:
+    chunk = direct_chunk_elems(numel, world) if algorithm == "direct_2s" else numel
     return CollectivePlan(op=op, algorithm=algorithm, int8=False, world=world, numel=numel,
-                          elem_bytes=elem_bytes, slot_stride=capacity, chunk_elems=numel,
+                          elem_bytes=elem_bytes, slot_stride=capacity, chunk_elems=chunk,
                           result_stride=0, layout=None, d2h="sm", h2d="sm")
+
+
+def direct_result_offset(plan: CollectivePlan) -> int:
+    """Byte offset of the reduced chunk in a `direct_2s` slot: after the message, aligned."""
+    return align_up(plan.nbytes)
 
 
 def slot_capacity(max_bytes: int, world: int, group: int = DEFAULT_GROUP) -> int:
@@ -300,7 +330,7 @@ def slot_capacity(max_bytes: int, world: int, group: int = DEFAULT_GROUP) -> int
 
 
 def fits(plan: CollectivePlan, capacity: int) -> bool:
-    if plan.algorithm in ("direct", "direct_ll"):
+    if plan.algorithm in DIRECT_ALGORITHMS:
         return True  # planned within the direct area's own capacity
     return plan.slot_stride <= capacity and plan.result_bytes <= capacity
 

@@ -1,7 +1,7 @@
 """The operation sequences of each collective, enqueued on one stream (capturable as they are), and
 the table that picks one for a plan (`enqueue`).
 
-Every path takes the rank's `Staging` (where bytes go) and `Sync` (barriers), nothing else of the
+Every path takes the rank's `Staging` (where bytes go) and `Sync` (barriers, fences), nothing else of the
 communicator (`staging.py`). A plan's `d2h`/`h2d` say whether bytes cross PCIe by copy engine
 (`ce`, `st.copy`) or by the kernel itself loading/storing mapped host memory (`sm`). The last
 kernel of every call bumps the progress word (`tick=True`) the watchdog watches.
@@ -175,10 +175,11 @@ PATHS = {
     ("all_reduce", "two_shot", True): all_reduce_int8,
     ("all_gather", "gather", False): all_gather,
     ("all_gather", "gather", True): all_gather,
-    ("all_reduce", "direct", False): direct.all_reduce,
     ("all_reduce", "direct_ll", False): direct.all_reduce,
-    ("all_gather", "direct", False): direct.all_gather,
+    ("all_reduce", "direct_1s", False): direct.all_reduce,
+    ("all_reduce", "direct_2s", False): direct.all_reduce,
     ("all_gather", "direct_ll", False): direct.all_gather,
+    ("all_gather", "direct_1s", False): direct.all_gather,
 }
 
 

@@ -12,8 +12,9 @@ Two kinds of synchronization, both replayable by a captured graph forever:
   argument, and has them: B0 "everyone finished reading the previous call's slots", B1 "every slot
   holds this call's data" (+ B2 "every reduced chunk is published" for two-shot). A memory-op wait
   sits in the stream front end and uses no SM while it waits.
-- The direct path (`direct.py`, small messages): one kernel that writes its payload, announces it
-  with call epochs (never reset) and polls the peers' from device code; no memory operations.
+- The direct path (`direct.py`, small messages): kernels that write the payload, announce it with
+  call epochs (never reset) and poll the peers' from device code; no barrier, at most one fence
+  (a memory write of the rank's own fence word) per flag round.
 Deadlines: neither kind of wait has one, so `watchdog.Watchdog` watches from the host and, when a
 peer dies or stalls, records the error and releases the waits (see there).
 
@@ -292,7 +293,8 @@ class HostStagedCommunicator:
         tick_host = kernels.MappedPtr(hbase + seg.progress_offset(r), torch.int32)
         progress = kernels.Progress(torch.zeros(1, dtype=torch.int32, device=self.device), tick_host)
         area = DirectArea(
-            slots=hbase + seg.direct_offset, capacity=direct_capacity,
+            ll_slots=hbase + seg.direct_offset, slots=hbase + seg.direct_native_offset,
+            capacity=direct_capacity,
             flags=hbase + seg.direct_flag_offset(0, 0), abort=hbase + 4 * W_ABORT,
             status=hbase + seg.status_offset(r), epoch_word=hbase + seg.direct_epoch_offset(r),
             epochs=torch.zeros(DIRECT_PROGRAMS, dtype=torch.int32, device=self.device))
@@ -306,7 +308,7 @@ class HostStagedCommunicator:
                          lambda f, src, dst: hbase + seg.flag_offset(f, src, dst),
                          hbase + seg.status_offset(self.rank),
                          run=lambda stream, ops, arr: self._drv.run_memops(stream, ops, arr),
-                         prepare=memop_array)
+                         prepare=memop_array, fence_word=hbase + seg.fence_offset(self.rank))
 
     def _selftest_memops(self, hbase: int) -> None:
         """Write, wait and write again on a spare word; fall back from batched to single memory

@@ -49,19 +49,29 @@ def barrier_memops(rank: int, world: int, b: int, flag: Flag, status: int) -> li
 
 class MemopSync:
     """`staging.Sync` as stream memory operations: every barrier of this rank prepared once at
-    start-up (the addresses never change), enqueued by `run`."""
+    start-up (the addresses never change), enqueued by `run`. The fence is one write of a constant
+    into the rank's own fence word: the driver fences a stream memory write after the stream's
+    earlier work at system scope (cuStreamWriteValue32 without NO_MEMORY_BARRIER), which is all
+    the direct path needs between its kernels."""
 
     def __init__(self, rank: int, world: int, flag: Flag, status: int, run: RunMemops,
-                 prepare: Callable[[list[MemOp]], Any] = lambda ops: None) -> None:
+                 prepare: Callable[[list[MemOp]], Any] = lambda ops: None,
+                 fence_word: int | None = None) -> None:
         self._run = run
 
         def prep(ops):
             return ops, prepare(ops)
 
         self._barriers = [prep(barrier_memops(rank, world, b, flag, status)) for b in range(BARRIERS)]
+        self._fence = prep([MemOp("write", fence_word, 1)]) if fence_word is not None else None
 
     def barrier(self, b: int, stream: int) -> None:
         self._run(stream, *self._barriers[b])
+
+    def fence(self, stream: int) -> None:
+        if self._fence is None:
+            raise RuntimeError("this MemopSync was built without a fence word")
+        self._run(stream, *self._fence)
 
 
 def waiting_flag(status: int) -> int | None:

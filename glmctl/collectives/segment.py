@@ -11,14 +11,18 @@ Layout (bytes):
     0       header words (uint32): identity, abort word, per-rank host blocks (pid, state, barrier
             generation, capture count and digest)
     8192    GPU-written words, one 128-byte line per rank: status (+0), the direct path's epoch
-            (+8) and progress (+64)
+            (+8), the fence word (+16: a stream memory write whose only job is its fence) and
+            progress (+64)
     16384   flags, one 64-byte line per (barrier, source rank, destination rank)
-    D       direct-path flags (D = `direct_flags_offset(world)`): one 64-byte line per (program,
-            destination rank), word j of it written by source rank j (a reader polls one line)
+    D       direct-path flags (D = `direct_flags_offset(world)`): one 64-byte line per (round,
+            destination rank), word j of it written by source rank j (a reader polls one line);
+            round 0 announces the payload, round 1 a two-shot call's reduced chunk
     H       data area (H = `header_bytes(world)`, a multiple of 64 KiB): world slots of `capacity`
     ...     result area: `capacity` bytes
-    ...     direct area: 2 parities x world slots of `direct_capacity` bytes (the direct path's
-            payloads; its own region, so it never races the barrier paths' slots)
+    ...     direct area: LL region, then native region, each 2 parities x world slots of
+            `direct_capacity` bytes (the direct path's payloads: their own region, so they never
+            race the barrier paths' slots; LL words and native payloads apart, so no native byte
+            pattern is ever read as a current LL word)
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ from glmctl import switches
 from glmctl.collectives.collective_errors import PeerLostError, SegmentError
 
 MAGIC = 0x474C4D43_4F4C4C31  # "GLMCOLL1"
-VERSION = 4  # 3: direct-path flag lines and payload area; 4: barrier flags only
+VERSION = 5  # 5: direct-path flag rounds, LL and native regions, the fence word
 MAX_WORLD = 16
 BARRIERS = 3
 FLAGS = BARRIERS  # flag ids: the barriers
 DIRECT = FLAGS  # the id the status word uses while a direct-path kernel waits (it has no memop flag)
-DIRECT_PROGRAMS = 16  # programs (CTAs) of every direct-path kernel: each polls its own flag line
+DIRECT_PROGRAMS = 16  # programs (CTAs) of every direct-path kernel (each keeps its own epoch)
+DIRECT_ROUNDS = 2  # flag rounds of a direct call: the payload, a two-shot's reduced chunk
 GPU_WORDS_OFFSET = 8192
 FLAGS_OFFSET = 16384
 HEADER_ALIGN = 65536
@@ -107,12 +112,12 @@ def direct_flags_offset(world: int) -> int:
 
 
 def header_bytes(world: int) -> int:
-    flags_end = direct_flags_offset(world) + DIRECT_PROGRAMS * world * 64
+    flags_end = direct_flags_offset(world) + DIRECT_ROUNDS * world * 64
     return -(-flags_end // HEADER_ALIGN) * HEADER_ALIGN
 
 
 def segment_bytes(world: int, capacity: int, direct_capacity: int = 0) -> int:
-    return header_bytes(world) + (world + 1) * capacity + 2 * world * direct_capacity
+    return header_bytes(world) + (world + 1) * capacity + 4 * world * direct_capacity
 
 
 class SharedSegment:
@@ -262,12 +267,16 @@ class SharedSegment:
         return GPU_WORDS_OFFSET + 128 * rank + 8
 
     @staticmethod
+    def fence_offset(rank: int) -> int:
+        return GPU_WORDS_OFFSET + 128 * rank + 16
+
+    @staticmethod
     def progress_offset(rank: int) -> int:
         return GPU_WORDS_OFFSET + 128 * rank + 64
 
-    def direct_flag_offset(self, program: int, dst: int) -> int:
-        """The line a direct-path program of rank `dst` polls; source j writes its word j."""
-        return direct_flags_offset(self.world) + (program * self.world + dst) * 64
+    def direct_flag_offset(self, round_: int, dst: int) -> int:
+        """The line rank `dst` polls in a direct call's flag round; source j writes its word j."""
+        return direct_flags_offset(self.world) + (round_ * self.world + dst) * 64
 
     def flag_offset(self, flag: int, src: int, dst: int) -> int:
         """Flag ids: barrier b is `b`."""
@@ -283,7 +292,12 @@ class SharedSegment:
 
     @property
     def direct_offset(self) -> int:
+        """The LL region; the native region follows it (`direct_native_offset`)."""
         return self.result_offset + self.capacity
+
+    @property
+    def direct_native_offset(self) -> int:
+        return self.direct_offset + 2 * self.world * self.direct_capacity
 
     def view(self, rank: int) -> SharedSegment:
         """Another rank's handle on this same mapping (ranks as threads of one process: one

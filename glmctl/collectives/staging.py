@@ -24,15 +24,21 @@ class Sync(Protocol):
     def barrier(self, b: int, stream: int) -> None:
         """Every rank's earlier work on its stream is visible to all, before later work here."""
 
+    def fence(self, stream: int) -> None:
+        """This rank's earlier work on its stream is visible to every process and device before
+        its later work: a system-scope fence between two kernels, waiting for nobody."""
+
 
 @dataclass(frozen=True)
 class DirectArea:
     """Device addresses of the direct path (`direct.py`): payload slots (parity q, rank j at
-    `slots + (q * world + j) * capacity`), flag lines, and the words it reports through."""
+    `ll_slots + (q * world + j) * capacity` for LL words, `slots + ...` for native payloads),
+    flag lines, and the words it reports through."""
 
+    ll_slots: int
     slots: int
     capacity: int  # bytes per slot
-    flags: int  # line (program c, destination d) at flags + (c * world + d) * 64, word = source
+    flags: int  # line (round c, destination d) at flags + (c * world + d) * 64, word = source
     abort: int  # the segment's abort word: a waiting program gives up once it is non-zero
     status: int  # this rank's status word (the watchdog reads it)
     epoch_word: int  # this rank's direct-path epoch, as the watchdog reads it

@@ -66,10 +66,12 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
 
     comm = _communicator(rank, world, session, max_bytes, timeout_s=30)
     defaults = comm.options
-    direct_kinds = {"ll": DirectLimits(ll_max_bytes=256 * 1024, capacity=defaults.direct.capacity),
-                    "flag": DirectLimits(flag_max_bytes=512 * 1024, capacity=defaults.direct.capacity),
+    cap = defaults.direct.capacity
+    direct_kinds = {"ll": DirectLimits(ll_max_bytes=256 * 1024, capacity=cap),
+                    "1s": DirectLimits(one_shot_max_bytes=512 * 1024, capacity=cap),
+                    "2s": DirectLimits(two_shot_max_bytes=448 * 1024, capacity=cap),
                     "default": defaults.direct,
-                    None: replace(defaults.direct, ll_max_bytes=0, flag_max_bytes=0)}
+                    None: DirectLimits(capacity=cap)}
     rows = []
     try:
         for i, case in enumerate(cases):
@@ -119,10 +121,10 @@ def correctness(rank: int, world: int, session: str, cases: list[dict], max_byte
 
 
 def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
-    """Capture one graph holding six collectives (bf16 all-reduces on the direct path, one-shot and,
-    above two ranks, two-shot; INT8 all-reduce; fp16 all-gather along the last dim (the direct
-    path); INT8 all-gather), then replay it `replays` times with fresh inputs written into the
-    static buffers before every replay."""
+    """Capture one graph holding six collectives (bf16 all-reduces on the direct path, one native
+    shot at 32 KiB, one (2 ranks) or two (4 ranks) at 256 KiB, and on a barrier path at 2 MiB;
+    INT8 all-reduce; fp16 all-gather along the last dim (LL words); INT8 all-gather), then replay
+    it `replays` times with fresh inputs written into the static buffers before every replay."""
     torch = _torch(rank)
     comm = _communicator(rank, world, session, 4 * MiB, timeout_s=30)
     specs = {  # name: (numel, dtype)
@@ -191,7 +193,7 @@ def graph_replays(rank: int, world: int, session: str, replays: int) -> dict:
 def lose_a_rank(rank: int, world: int, session: str, victim: int, mode: str,
                 timeout_s: float, numel: int = 4096) -> dict:
     """All ranks run a few all-reduces of `numel` bf16 elements (4096: the direct path by default;
-    131072: a barrier path); then the victim dies (mode "kill": SIGKILL) or goes silent ("stall":
+    262144: a barrier path); then the victim dies (mode "kill": SIGKILL) or goes silent ("stall":
     sleeps past the timeout). The others keep calling all_reduce until one raises."""
     torch = _torch(rank)
     from glmctl.collectives import CollectiveError

@@ -1,6 +1,6 @@
 """Host-staged all-reduce / all-gather across 2 and 4 processes sharing one GPU: every dtype, sizes
-from 1 KB to 256 MB (odd ones too), both copy paths, the direct path (LL words, flag lines, and the
-measured default for the rank count), fresh random data, against fp64 sums or exact concatenation;
+from 1 KB to 256 MB (odd ones too), both copy paths, the direct path (LL words, one and two native
+shots, and the default for the rank count), fresh random data, against fp64 sums or exact concatenation;
 every rank's output bitwise equal to every other's."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _cases(world: int) -> list[dict]:
                 shape, dim = ([numel], 0) if numel % 8 else ([8, numel // 8], -1)
                 cases.append({**base, "op": "all_gather", "int8": False, "shape": shape, "dim": dim})
                 cases.append({**base, "op": "all_gather", "int8": True, "shape": shape, "dim": dim})
-            if nbytes <= 64 * 1024 + 2:  # the direct path, both payload formats
-                for kind in ("ll", "flag", "default"):
+            if nbytes <= 64 * 1024 + 2:  # the direct path, every way
+                for kind in ("ll", "1s", "2s", "default"):
                     base = {"dtype": dtype, "numel": numel, "engines": "auto", "direct": kind}
                     cases.append({**base, "op": "all_reduce", "int8": False})
                     shape, dim = ([numel], 0) if numel % 8 else ([8, numel // 8], -1)
@@ -72,9 +72,10 @@ def test_collectives_match_fp64_and_agree_bitwise(world):
             assert a["checksum"] == b["checksum"], f"ranks disagree bitwise on {c}"
             assert b["ok"], (c, b)
     rows = per_rank[0]
-    assert {r["algorithm"] for r in rows} >= ({"one_shot", "gather", "two_shot", "direct", "direct_ll"}
-                                             if world > 2 else {"one_shot", "gather", "direct",
-                                                                "direct_ll"})
+    assert {r["algorithm"] for r in rows} >= ({"one_shot", "gather", "two_shot", "direct_ll",
+                                              "direct_1s", "direct_2s"} if world > 2 else
+                                             {"one_shot", "gather", "direct_ll", "direct_1s",
+                                              "direct_2s"})
     assert {(r["d2h"], r["h2d"]) for r in rows} >= {("ce", "ce"), ("sm", "sm")}
     assert all(r["in_place"] for c, r in zip(cases, rows, strict=True) if c["op"] == "all_reduce")
     worst_int8 = max(r["err"] for c, r in zip(cases, rows, strict=True) if c["int8"])

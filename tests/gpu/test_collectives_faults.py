@@ -17,9 +17,9 @@ def _leftovers(session: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"glmctl-coll-{session}")]
 
 
-# 4096 elements take the direct path (a kernel polling host memory), 131072 a barrier path
+# 4096 elements take the direct path (a kernel polling host memory), 262144 a barrier path
 # (stream memory operations): the watchdog releases both kinds of wait
-@pytest.mark.parametrize("numel", [4096, 131072])
+@pytest.mark.parametrize("numel", [4096, 262144])
 def test_killed_rank_is_named_not_waited_for(numel):
     session = f"kill{os.getpid()}n{numel}"
     results = run_ranks(lose_a_rank, 4, 2, "kill", 5.0, numel, timeout_s=120, session=session)
@@ -31,7 +31,7 @@ def test_killed_rank_is_named_not_waited_for(numel):
     assert not _leftovers(session)
 
 
-@pytest.mark.parametrize("numel", [4096, 131072])
+@pytest.mark.parametrize("numel", [4096, 262144])
 def test_stalled_rank_is_named_after_the_timeout(numel):
     session = f"stall{os.getpid()}n{numel}"
     results = run_ranks(lose_a_rank, 2, 1, "stall", 2.0, numel, timeout_s=120, session=session)

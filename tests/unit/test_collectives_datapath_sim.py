@@ -1,9 +1,10 @@
 """The real data paths (`datapath.py`, the direct `direct.py`), flag protocol and kernels, run end
 to end on CPU: threads as ranks share a real segment. Each rank has a "stream", a worker thread
 executing what the data path enqueued on it, in order: copies (memmove), stream memory operations
-(a wait spins on the word) and kernel launches (the Triton interpreter on CPU views of the same
-memory, one launch at a time: the interpreter is not thread-safe; a direct-path kernel runs as its
-publish half, a wait for the peers' epochs, and its collect half). Random small delays before
+(a wait spins on the word; a write, the fence included, stores it) and kernel launches (the Triton
+interpreter on CPU views of the same memory, one launch at a time: the interpreter is not
+thread-safe; a direct-path kernel that waits runs as its announce half, a wait for the peers'
+epochs, and its collect half). Random small delays before
 operations vary the interleaving, so an ordering the code forgets shows up as wrong data. Every rank enqueues each case twice back to back (two calls in flight: a slot reused too
 early shows up), then checks both against plain torch, and that the ranks agree bit for bit."""
 
@@ -24,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 _MODULES = collectives_interp.load()
 _PRELOADED = _MODULES is None
-kernels, direct, datapath = _MODULES or (None, None, None)
+kernels, direct_kernels, direct, datapath = _MODULES or (None, None, None, None)
 
 from glmctl.collectives.call_plan import (  # noqa: E402
     CopyEngines,
@@ -156,7 +157,8 @@ class SimComm:
         a = seg.address
         progress = kernels.Progress(self.progress_t,
                                     kernels.MappedPtr(a + seg.progress_offset(rank), torch.int32))
-        area = DirectArea(slots=a + seg.direct_offset, capacity=seg.direct_capacity,
+        area = DirectArea(ll_slots=a + seg.direct_offset, slots=a + seg.direct_native_offset,
+                          capacity=seg.direct_capacity,
                           flags=a + seg.direct_flag_offset(0, 0), abort=a + 4 * W_ABORT,
                           status=a + seg.status_offset(rank),
                           epoch_word=a + seg.direct_epoch_offset(rank),
@@ -166,23 +168,25 @@ class SimComm:
                                progress=progress, copy=self.drv.memcpy_async, direct=area)
         self.sync = MemopSync(rank, seg.world, lambda f, s, d: a + seg.flag_offset(f, s, d),
                               a + seg.status_offset(rank),
-                              run=lambda stream, ops, prepared: self.drv.run_memops(stream, ops))
+                              run=lambda stream, ops, prepared: self.drv.run_memops(stream, ops),
+                              fence_word=a + seg.fence_offset(rank))
 
 
 def _words(addr: int, n: int, dtype) -> np.ndarray:
     return np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(addr), dtype)
 
 
-def _peers_published(area: DirectArea, rank: int, world: int, e: int, units: int, ll: bool) -> bool:
-    """What a direct kernel's collect half waits for: every peer's epoch e, in its flag words
-    (every program) or in every LL word of its slot."""
-    peers = [j for j in range(world) if j != rank]
-    if ll:
-        q = e & 1
-        return all((_words(area.slots + (q * world + j) * area.capacity, 2 * units,
-                           np.uint32)[1::2] == e).all() for j in peers)
-    return all(int(_words(area.flags + (c * world + rank) * 64, world, np.int32)[j]) >= e
-               for c in range(DIRECT_PROGRAMS) for j in peers)
+def _peers_ll_published(area: DirectArea, rank: int, world: int, e: int, units: int) -> bool:
+    """What an LL kernel's collect half waits for: every peer's words of the call carry epoch e."""
+    q = e & 1
+    return all((_words(area.ll_slots + (q * world + j) * area.capacity, 2 * units,
+                       np.uint32)[1::2] == e).all() for j in range(world) if j != rank)
+
+
+def _peers_announced(area: DirectArea, rank: int, world: int, e: int, round_: int) -> bool:
+    """What a collect kernel's second half waits for: every peer's word of the round's line."""
+    line = _words(area.flags + (round_ * world + rank) * 64, world, np.int32)
+    return all(int(line[j]) >= e for j in range(world) if j != rank)
 
 
 def _wrap_launchers(regions: Regions, comms: dict):
@@ -210,43 +214,63 @@ def _wrap_launchers(regions: Regions, comms: dict):
 
         setattr(kernels, name, wrapped)
 
-    saved_direct = direct.launch
+    saved_direct = {name: getattr(direct_kernels, name) for name in ("ll", "publish", "collect")}
+    on_stream = lambda fn: comms[threading.current_thread().name].drv.streams[MAIN].put(fn)  # noqa: E731
 
-    def direct_launch(x, out, area, **kw):
+    def split(kernel, make_args, ready):
+        """A waiting kernel as its first half, a wait outside the interpreter, its second half."""
+        def launch(x, out, area, **kw):
+            def run():
+                e = int(area.epochs[0]) + 1
+                for phase in (1, 2):
+                    with _LAUNCH:
+                        args, meta = make_args(x, out, area, phase=phase, **kw)
+                        kernel[(DIRECT_PROGRAMS,)](*[conv(v) for v in args], **meta)
+                    if phase == 1:
+                        _spin(lambda: ready(x, area, kw, e), "direct-path epochs never arrived")
+
+            on_stream(run)
+        return launch
+
+    def publish(x, area, **kw):
         def run():
-            e = int(area.epochs[0]) + 1
-            units = direct.units_for(kw["numel"], x.element_size(), kw["ll"])[0]
-            for phase in (1, 2):
-                with _LAUNCH:
-                    args, meta = direct.kernel_args(x, out, area, phase=phase, **kw)
-                    direct._direct_kernel[(DIRECT_PROGRAMS,)](*[conv(v) for v in args], **meta)
-                if phase == 1:
-                    _spin(lambda: _peers_published(area, kw["rank"], kw["world"], e, units, kw["ll"]),
-                          "direct-path epochs never arrived")
+            with _LAUNCH:
+                args, meta = direct_kernels.publish_args(x, area, **kw)
+                direct_kernels._publish_kernel[(DIRECT_PROGRAMS,)](*[conv(v) for v in args], **meta)
 
-        comms[threading.current_thread().name].drv.streams[MAIN].put(run)
+        on_stream(run)
 
-    direct.launch = direct_launch
+    direct_kernels.ll = split(direct_kernels._ll_kernel, direct_kernels.ll_args, lambda x, area, kw, e: (
+        _peers_ll_published(area, kw["rank"], kw["world"], e,
+                            direct_kernels.ll_units(kw["numel"], x.element_size()))))
+    direct_kernels.collect = split(direct_kernels._collect_kernel, direct_kernels.collect_args,
+                                   lambda x, area, kw, e: _peers_announced(area, kw["rank"], kw["world"],
+                                                                        e, kw["round_"]))
+    direct_kernels.publish = publish
 
     def restore():
         for name, fn in saved.items():
             setattr(kernels, name, fn)
-        direct.launch = saved_direct
+        for name, fn in saved_direct.items():
+            setattr(direct_kernels, name, fn)
 
     return restore
 
 
 DIRECT_CAP = 16 * 1024
+DIRECT = {"ll": "direct_ll", "1s": "direct_1s", "2s": "direct_2s"}
 
 
 def _cases(world):
-    """(op, dtype, numel, int8, engines, one_shot_max_bytes); engines "ll" and "flag" mean the
-    direct path with that payload format."""
-    cases = [  # the direct path, first and between the others (its area is its own)
+    """(op, dtype, numel, int8, engines, one_shot_max_bytes); engines "ll", "1s", "2s" mean the
+    direct path that way (`DIRECT`)."""
+    cases = [  # the direct path, first and between the others (its areas are its own)
         ("all_reduce", torch.bfloat16, 3001, False, "ll", 0),
-        ("all_reduce", torch.float32, 777, False, "flag", 0),
+        ("all_reduce", torch.float32, 777, False, "1s", 0),
+        ("all_reduce", torch.bfloat16, 5003, False, "2s", 0),
         ("all_gather", torch.bfloat16, 1001, False, "ll", 0),
-        ("all_gather", torch.float32, 5, False, "flag", 0),
+        ("all_gather", torch.float32, 5, False, "1s", 0),
+        ("all_reduce", torch.float16, 5, False, "2s", 0),  # chunks past the message
     ]
     for eng in ("ce", "sm"):
         cases += [
@@ -262,7 +286,8 @@ def _cases(world):
                 ("all_reduce", torch.float32, 5, False, eng, 0),  # chunks past the message
             ]
         cases += [("all_reduce", torch.float16, 2048 + 1, False, "ll", 0),
-                  ("all_reduce", torch.bfloat16, 9, False, "flag", 0)]
+                  ("all_reduce", torch.float32, 1031, False, "2s", 0),
+                  ("all_reduce", torch.bfloat16, 9, False, "1s", 0)]
     return cases
 
 
@@ -275,7 +300,8 @@ def _plan(case, world):
     op, dtype, numel, int8, eng, osm = case
     eb = torch.empty(0, dtype=dtype).element_size()
     limits = {"ll": DirectLimits(ll_max_bytes=DIRECT_CAP // 2, capacity=DIRECT_CAP),
-              "flag": DirectLimits(flag_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)}
+              "1s": DirectLimits(one_shot_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP),
+              "2s": DirectLimits(two_shot_max_bytes=DIRECT_CAP, capacity=DIRECT_CAP)}
     kw = dict(int8=int8, engines=CopyEngines.uniform("ce" if eng in limits else eng),
               direct=limits.get(eng, DirectLimits()))
     if op == "all_reduce":
@@ -367,8 +393,8 @@ def test_every_path_end_to_end_on_cpu(world, tmp_path, monkeypatch):
         limit = 1e-6 if dtype == torch.float32 else 2**-7
         limit += 1 / 127 if int8 else 0
         assert rel <= limit, (case, algorithm, rel)
-        if eng in ("ll", "flag"):
-            assert algorithm == ("direct_ll" if eng == "ll" else "direct"), (case, algorithm)
+        if eng in DIRECT:
+            assert algorithm == DIRECT[eng], (case, algorithm)
         elif world > 2 and osm == 0 and op == "all_reduce":
             assert algorithm == "two_shot"
         for r in range(1, world):

@@ -92,20 +92,44 @@ def test_int8_layout_rejects_odd_groups():
 
 
 def test_direct_path_by_size_and_never_int8():
-    from glmctl.collectives.call_plan import DirectLimits
+    from glmctl.collectives.call_plan import DirectLimits, direct_result_offset
 
-    lim = DirectLimits(ll_max_bytes=16 * 1024, flag_max_bytes=256 * 1024, capacity=512 * 1024)
-    assert plan_all_reduce(4096, 2, 4, direct=lim).algorithm == "direct_ll"
-    flag = plan_all_reduce(64 * 1024, 2, 4, direct=lim)
-    assert (flag.algorithm, flag.barriers, flag.slot_stride) == ("direct", 0, 512 * 1024)
-    assert flag.bytes_moved() == (128 * 1024, 3 * 128 * 1024)
-    assert plan_all_reduce(4096, 2, 4, direct=lim).bytes_moved()[0] == 2 * 8192  # LL: 8 B per 4
+    KiB = 1024
+    lim = DirectLimits(ll_max_bytes=16 * KiB, one_shot_max_bytes=32 * KiB,
+                       two_shot_max_bytes=256 * KiB, capacity=512 * KiB)
+    ll = plan_all_reduce(4096, 2, 4, direct=lim)
+    assert (ll.algorithm, ll.barriers) == ("direct_ll", 0)
+    assert ll.bytes_moved() == (2 * 8192, 3 * 2 * 8192)  # LL: 8 bytes per 4 of payload
+    one = plan_all_reduce(16 * KiB, 2, 4, direct=lim)
+    assert (one.algorithm, one.slot_stride) == ("direct_1s", 512 * KiB)
+    assert one.bytes_moved() == (32 * KiB, 3 * 32 * KiB)
+    two = plan_all_reduce(32 * KiB, 2, 4, direct=lim)  # 64 KiB
+    assert (two.algorithm, two.barriers, two.chunk_elems) == ("direct_2s", 0, 8 * KiB)
+    # out: the three other chunks and the own sum; in: the own chunk of 3 peers, 3 peers' sums
+    assert two.bytes_moved() == (64 * KiB, 3 * 16 * KiB + 48 * KiB)
+    assert direct_result_offset(two) == 64 * KiB
     assert plan_all_reduce(4096, 2, 4, int8=True, direct=lim).algorithm == "one_shot"
-    assert plan_all_reduce(256 * 1024, 2, 4, direct=lim).algorithm == "two_shot"  # 512 KiB: above
+    assert plan_all_reduce(256 * KiB, 2, 4, direct=lim).algorithm == "two_shot"  # 512 KiB: above
     assert plan_all_gather(1000, 4, 8, direct=lim).algorithm == "direct_ll"
+    assert plan_all_gather(32 * KiB, 4, 8, direct=lim).algorithm == "direct_1s"  # one shot only
     small_area = DirectLimits(ll_max_bytes=1 << 20, capacity=8192)  # LL needs twice the message
     assert plan_all_reduce(2048, 2, 2, direct=small_area).algorithm == "direct_ll"
     assert plan_all_reduce(2049, 2, 2, direct=small_area).algorithm == "one_shot"
+    tight = DirectLimits(two_shot_max_bytes=1 << 20, capacity=8192)  # message + sum must fit
+    assert plan_all_reduce(3000, 2, 4, direct=tight).algorithm == "direct_2s"  # 6000 + 1504
+    assert plan_all_reduce(3584, 2, 4, direct=tight).algorithm == "one_shot"  # 7168 + 1792
+
+
+def test_two_shot_chunks_are_aligned_and_cover_the_message():
+    from glmctl.collectives.call_plan import DirectLimits
+
+    lim = DirectLimits(two_shot_max_bytes=1 << 20, capacity=1 << 20)
+    for numel, world in ((5, 4), (1001, 3), (4096 * 32, 8), (9, 8)):
+        plan = plan_all_reduce(numel, 2, world, direct=lim)
+        spans = [plan.chunk_span(r) for r in range(world)]
+        assert plan.chunk_elems % 8 == 0
+        assert sum(count for _, count in spans) == numel
+        assert all(lo == r * plan.chunk_elems for r, (lo, _) in enumerate(spans))
 
 
 def test_messages_are_cut_into_calls_in_one_place():
@@ -123,9 +147,11 @@ def test_plan_call_takes_the_measured_direct_limits_for_the_rank_count():
 
     cap = slot_capacity(4 * MiB, 8)
     measured = PathOptions()
-    assert plan_call("all_reduce", 16 * 1024, 2, 8, False, measured, cap).algorithm == "direct_ll"
-    assert plan_call("all_reduce", 64 * 1024, 2, 8, False, measured, cap).algorithm == "direct"
-    assert plan_call("all_reduce", 64 * 1024, 2, 4, False, measured, cap).algorithm == "direct_ll"
+    assert plan_call("all_reduce", 1024, 2, 8, False, measured, cap).algorithm == "direct_ll"
+    assert plan_call("all_reduce", 4096, 2, 8, False, measured, cap).algorithm == "direct_1s"
+    assert plan_call("all_reduce", 128 * 1024, 2, 8, False, measured, cap).algorithm == "direct_2s"
+    assert plan_call("all_reduce", 64 * 1024, 2, 4, False, measured, cap).algorithm == "direct_2s"
+    assert plan_call("all_reduce", 32 * 1024, 2, 2, False, measured, cap).algorithm == "direct_1s"
     off = PathOptions(direct=DirectLimits())
     assert plan_call("all_reduce", 16 * 1024, 2, 8, False, off, cap).algorithm == "one_shot"
     assert plan_call("all_reduce", 4 * MiB, 2, 4, False, measured, slot_capacity(MiB, 4)) is None

@@ -112,11 +112,13 @@ def test_one_barrier_per_call_would_be_unsafe():
 
 
 def _mixed_programs(world: int, calls: list[str], parity: bool = True):
-    """Per rank, the ops of `calls`: "b2"/"b3" barrier calls as above, "flag" and "ll" direct-path
-    calls (`direct.py`): the payload into slot (epoch & 1, rank) of the direct area, then, for
-    "flag", the epoch into each peer's flag word (after the payload: the release) and a wait
-    until every peer's word reaches it; for "ll" the payload word itself carries the epoch and the
-    reader waits for it. Epochs count direct calls; nothing is ever reset."""
+    """Per rank, the ops of `calls`: "b2"/"b3" barrier calls as above, and direct-path calls
+    (`direct.py`), whose payloads go into slot (epoch & 1, rank) of their region: "ll" writes LL
+    words (each carries the epoch: the reader waits for the words themselves); "1s" writes the
+    native payload, then (behind the fence: this rank's writes land in order) the epoch into each
+    peer's round-0 flag word, waits until every peer's word reaches it and reads; "2s" does the
+    same for the message, then writes its reduced chunk and repeats with round-1 flags for the
+    chunks. Epochs count direct calls; nothing is ever reset."""
     progs = []
     for r in range(world):
         ops, epoch = [], 0
@@ -129,13 +131,17 @@ def _mixed_programs(world: int, calls: list[str], parity: bool = True):
                 continue
             epoch += 1
             q = epoch & 1 if parity else 0
-            ops.append(("write", ("dslot", q, r), tag))
-            if kind == "flag":
-                ops += [("write", ("df", r, j), epoch) for j in peers]
-                ops += [("waitge", ("df", j, r), epoch) for j in peers]
-            else:
-                ops += [("wait", ("dslot", q, j), tag) for j in peers]
-            ops += [("check", ("dslot", q, j), tag) for j in peers]
+            if kind == "ll":
+                ops.append(("write", ("lslot", q, r), tag))
+                ops += [("wait", ("lslot", q, j), tag) for j in peers]
+                ops += [("check", ("lslot", q, j), tag) for j in peers]
+                continue
+            rounds = [("dslot", 0)] if kind == "1s" else [("dslot", 0), ("dres", 1)]
+            for region, rnd in rounds:
+                ops.append(("write", (region, q, r), tag))
+                ops += [("write", ("df", rnd, r, j), epoch) for j in peers]
+                ops += [("waitge", ("df", rnd, j, r), epoch) for j in peers]
+                ops += [("check", (region, q, j), tag) for j in peers]
         progs.append(ops)
     return progs
 
@@ -144,7 +150,7 @@ def _mixed_programs(world: int, calls: list[str], parity: bool = True):
 def test_direct_calls_mixed_with_barrier_calls_never_break(world):
     rng = random.Random(200 + world)
     for seed in range(300):
-        calls = [rng.choice(("b2", "b3", "flag", "ll", "flag", "ll")) for _ in range(8)]
+        calls = [rng.choice(("b2", "b3", "1s", "2s", "ll", "1s", "2s", "ll")) for _ in range(8)]
         _run(world, calls, seed, programs=lambda w, c, calls=calls: _mixed_programs(w, calls))
 
 
@@ -153,9 +159,24 @@ def test_direct_calls_need_two_parities():
     read yet (a wrong read, or an LL reader waiting forever for an epoch already overwritten)."""
     failures = 0
     for seed in range(300):
-        calls = ["flag", "ll"] * 3
+        calls = ["1s", "2s", "ll"] * 2
         try:
             _run(3, calls, seed, programs=lambda w, c, calls=calls: _mixed_programs(w, calls, False))
         except BrokenProtocol:
             failures += 1
     assert failures > 0
+
+
+def test_the_fence_is_one_write_of_the_ranks_own_word():
+    """The direct path's fence between kernels: a stream memory write the driver fences after the
+    stream's earlier work; it waits for nobody."""
+    from glmctl.collectives.protocol import MemopSync
+
+    ran = []
+    sync = MemopSync(1, 4, lambda f, s, d: ("f", f, s, d), ("status", 1),
+                     run=lambda stream, ops, prepared: ran.append((stream, ops)), fence_word=0x40)
+    sync.fence(7)
+    assert [(s, [(o.kind, o.address, o.value) for o in ops]) for s, ops in ran] == [
+        (7, [("write", 0x40, 1)])]
+    with pytest.raises(RuntimeError):
+        MemopSync(0, 2, lambda f, s, d: 0, 0, run=lambda *a: None).fence(0)

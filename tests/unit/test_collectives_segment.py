@@ -156,7 +156,7 @@ def test_every_flag_line_lies_between_the_gpu_words_and_the_data(world):
 
 
 def test_direct_area_and_lines_fit_and_views_share_the_mapping(tmp_path):
-    from glmctl.collectives.segment import DIRECT_PROGRAMS, direct_flags_offset
+    from glmctl.collectives.segment import DIRECT_ROUNDS, direct_flags_offset
 
     world, direct = 4, 8192
     seg = SharedSegment.create("direct", world, CAP, direct)
@@ -164,10 +164,15 @@ def test_direct_area_and_lines_fit_and_views_share_the_mapping(tmp_path):
         assert seg.size == segment_bytes(world, CAP, direct) == os.path.getsize(seg.path)
         last_flag = max(seg.flag_offset(f, s, d) for f in range(FLAGS) for s in range(world)
                         for d in range(world))
-        lines = [seg.direct_flag_offset(c, d) for c in range(DIRECT_PROGRAMS) for d in range(world)]
+        lines = [seg.direct_flag_offset(c, d) for c in range(DIRECT_ROUNDS) for d in range(world)]
         assert min(lines) == direct_flags_offset(world) > last_flag
         assert max(lines) + 64 <= seg.data_offset
-        assert seg.direct_offset + 2 * world * direct == seg.size
+        # the LL region, then the native one, each two parities of world slots
+        assert seg.direct_native_offset == seg.direct_offset + 2 * world * direct
+        assert seg.direct_native_offset + 2 * world * direct == seg.size
+        words = {f(r) for r in range(world) for f in (seg.status_offset, seg.direct_epoch_offset,
+                                                      seg.fence_offset, seg.progress_offset)}
+        assert len(words) == 4 * world  # status, epoch, fence and progress words never overlap
         view = seg.view(2)
         assert (view.rank, view.address) == (2, seg.address)
         view.set_word_at(seg.direct_epoch_offset(2), 5)

@@ -61,12 +61,47 @@ def test_targets_are_ratios_per_rank_count_and_variant():
     assert eff["measured"] == pytest.approx(2 * 16 * MiB / 50e9 / 800e-6, abs=1e-3)
 
 
+def probe(op, world, us):
+    return {"phase": "t", "world": world, "op": op, "dtype": "bf16", "rank_numel": 0,
+            "variant": "memops-sm", "graph": True, "label": "", "rank_bytes": 0, "us": us,
+            "wrong": 0, "calls": 20, "replays": 5}
+
+
 def test_tables_show_wrong_results_and_the_models_prediction():
     rows = [raw("all_reduce", 2, 4 * KiB, 20.0, variant="memops-sm", wrong=7),
             raw("all_reduce", 4, 4 * KiB, 25.0, variant="memops-sm"),
             raw("all_reduce", 2, 16 * MiB, 900.0, algorithm="one_shot")]
     d = doc(rows)
     text = rep.compact_table(d)
-    assert "20.0 WRONG" in text and "predicted" in text and "one_shot" in text
+    assert "20.0 WRONG" in text and "16 MiB" in text and "#wrong over every row: 7" in text
     md = rep.markdown(d)
     assert "| 2 | all_reduce | bf16 | 16 MiB | captured | default |" in md
+
+
+def test_the_fitted_terms_predict_the_decode_step_and_print_it_last():
+    rows = [probe("barrier", n, 0.6 * n * 2 * (3 * (n - 1) + 2)) for n in (2, 4, 8)]
+    rows += [probe("launch", n, 1.2) for n in (2, 4, 8)]
+    for n in (2, 4, 8):  # LL: 1 us + one 3 us poll round + every rank's bytes at 50 GB/s
+        for b in (4 * KiB, 16 * KiB, 64 * KiB):
+            d2h, h2d = 2 * b, 2 * b * (n - 1)
+            rows.append(raw("all_reduce", n, b, 4.0 + n * (d2h + h2d) / 50e3, variant="direct-ll",
+                            algorithm="direct_ll", d2h=d2h, h2d=h2d))
+    rows.append(raw("all_reduce", 8, 256 * KiB, 300.0, dtype="int8", d2h=135168, h2d=946176)
+                | {"rel_err": 0.0071, "label": "decode x32 tokens, INT8 requested"})
+    d = doc(rows)
+    d["meta"]["direct_polls"] = "per round"
+    d.update(rep.decode_prediction(d))
+    terms = d["protocol_costs"]
+    assert terms["per_memop_us"] == pytest.approx(0.6, rel=1e-3)
+    ll = terms["paths"]["direct_ll"]
+    assert ll["fixed_us"] + ll["per_poll_us"] == pytest.approx(4.0, abs=0.05)
+    assert ll["rate_gbps"] == pytest.approx(50.0, rel=0.01)
+    cells = {r["cell"]: r for r in d["decode_step_prediction"]}
+    assert set(cells) == {"8x22k", "1x64k"} and cells["8x22k"]["calls"] == 104
+    assert all({"cell", "calls", "ms", "bound"} <= set(r) for r in cells.values())
+    assert cells["8x22k"]["ms"] > cells["1x64k"]["ms"] > 0
+    int8 = next(lv for lv in d["decode_levers"] if lv["lever"] == "INT8 decode all-reduce")
+    assert "0.71%" in int8["note"]
+    text = rep.compact_table(d)
+    assert text.rstrip().splitlines()[-1].startswith("| ")  # a table ends the output
+    assert text.index("decode step's collectives") > text.index("#wrong over every row")

@@ -10,7 +10,7 @@ Each kind is scaled by the ratio of the resource that bounds it (`Bound`): memor
 bandwidth-bound kinds (stand-in measured / L40 datasheet), tensor throughput for compute-bound ones,
 nothing for launch gaps (kernel-launch latency inside a CUDA graph is the GPU front end's, taken as
 equal). The rank model runs no collectives; the node's are added from the model's own call list
-(`decode_step_collectives`: two all-reduces per layer, the vocab-parallel embedding's all-reduce,
+(`decode_collectives.decode_step_collectives`: two all-reduces per layer, the vocab-parallel embedding's all-reduce,
 the logits all-gather, and the same for each MTP draft pass) timed by a `CollectiveTimeModel`
 (default: `glmctl.collectives.cost_model.time`, the host-staged protocol's model of the node).
 Tokens per second = sessions x tokens per step / step time, with tokens per step a stated
@@ -32,6 +32,7 @@ from glmctl.errors import ConfigError
 from glmctl.plan.model import ModelSpec, load_model_spec
 from glmctl.plan.prediction import node_whole_step as whole
 from glmctl.plan.prediction.decode_bytes import step_bytes
+from glmctl.plan.prediction.decode_collectives import decode_step_collectives
 from glmctl.plan.prediction.node_records import (
     ACCEPTANCE_SOURCE,
     CONTEXT_LABELS,
@@ -42,7 +43,6 @@ from glmctl.plan.prediction.node_records import (
     REPORT_TOKENS_PER_STEP,
     TARGET_COPY_EFFICIENCY,
     CellPrediction,
-    Collective,
     CollectiveTimeModel,
     DeviceFigures,
     KindLine,
@@ -110,28 +110,6 @@ def load_measured_run(path: str | Path) -> MeasuredRun:
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"{path}: {where}: {first['msg']}",
                           hint="see glmctl.plan.prediction.node_prediction.MeasuredRun for the schema") from exc
-
-
-def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: int) -> list[Collective]:
-    """The collectives one decode (verify) step makes on each rank of a TP-`tp` node, bf16 payloads:
-    per layer the attention o_proj and the MLP/MoE output all-reduce (row-parallel), one for the
-    vocab-parallel embedding, the logits all-gather; each MTP draft pass repeats embedding, its
-    layer's two, and the logits (first pass over every verified token, later ones one per sequence)."""
-    tokens = sessions * (1 + num_spec)
-    row = model.hidden_size * 2
-    vocab_rank = -(-model.vocab_size // 64) * 64 // tp
-    calls = [
-        Collective(op="all_reduce", bytes=tokens * row, count=2 * model.num_hidden_layers + 1,
-                   what="attention + MLP outputs, embedding"),
-        Collective(op="all_gather", bytes=tokens * vocab_rank * 2, count=1, what="logits"),
-    ]
-    if num_spec:
-        for label, n, passes in (("first draft pass", tokens, 1), ("later draft passes", sessions, num_spec - 1)):
-            if passes:
-                calls += [Collective(op="all_reduce", bytes=n * row, count=3 * passes, what=f"MTP {label}"),
-                          Collective(op="all_gather", bytes=n * vocab_rank * 2, count=passes,
-                                     what=f"MTP {label} logits")]
-    return calls
 
 
 def context_label(tokens: int) -> str:

@@ -1,0 +1,66 @@
+"""The decode step's collectives on the node (`glmctl.plan.prediction.decode_collectives`): the
+calls come from the model's layer structure, each priced by the collectives' cost model on the
+path the auto rule picks, and the levers are the same model with one thing changed."""
+
+from __future__ import annotations
+
+import pytest
+
+from glmctl.collectives import cost_model as cm
+from glmctl.plan.model import load_model_spec
+from glmctl.plan.prediction.decode_collectives import (
+    decode_levers,
+    decode_step_collectives,
+    decode_step_prediction,
+)
+
+GLM = load_model_spec("glm-5.3-flash")
+
+
+def test_the_calls_follow_the_layers_and_the_drafts():
+    calls = decode_step_collectives(GLM, 8, sessions=8, num_spec=3)
+    ar = [c for c in calls if c.op == "all_reduce"]
+    assert sum(c.count for c in ar) == 2 * GLM.num_hidden_layers + 1 + 3 + 3 * 2
+    assert sum(c.count for c in calls) == 104
+    assert {c.bytes for c in ar} == {32 * GLM.hidden_size * 2, 8 * GLM.hidden_size * 2}
+    assert sum(c.count for c in decode_step_collectives(GLM, 8, 1, 0)) == 2 * 45 + 1 + 1
+
+
+def test_each_cell_is_the_sum_of_its_calls_on_the_auto_paths():
+    rows = {r["cell"]: r for r in decode_step_prediction(GLM)}
+    assert set(rows) == {"8x22k", "1x64k"}
+    for r in rows.values():
+        assert {"cell", "calls", "ms", "bound"} <= set(r) and r["calls"] == 104
+        kinds = r["calls_by_kind"]
+        assert r["ms"] == pytest.approx(sum(k["count"] * k["us"] for k in kinds) / 1e3, abs=2e-3)
+        assert r["ms"] == pytest.approx(r["latency_ms"] + r["data_ms"], abs=2e-3)
+        assert r["ms_if_host_caches_hold_it"] <= r["ms"]
+        assert r["bound"] in ("latency", "host memory", "PCIe link")
+    big = rows["8x22k"]
+    layer = big["calls_by_kind"][0]
+    assert (layer["bytes"], layer["path"]) == (262144, "direct_2s")  # 32 tokens x 4096 bf16
+    assert layer["us"] == pytest.approx(cm.time("all_reduce", 8, 262144) * 1e6, abs=0.01)
+    assert big["bound"] == "host memory" and rows["1x64k"]["bound"] == "latency"
+    assert big["ms"] > rows["1x64k"]["ms"]
+
+
+def test_the_host_memory_figure_is_an_input():
+    fast = cm.NodeLinks("unbounded host", 25.0, 25.0, 1e6)
+    rows = {r["cell"]: r for r in decode_step_prediction(GLM, node=fast)}
+    slow = {r["cell"]: r for r in decode_step_prediction(GLM)}
+    assert rows["8x22k"]["bound"] != "host memory"
+    assert rows["8x22k"]["ms"] == pytest.approx(slow["8x22k"]["ms_if_host_caches_hold_it"], abs=2e-3)
+
+
+def test_levers_lower_the_step_and_say_what_they_assume():
+    base = {r["cell"]: r["ms"] for r in decode_step_prediction(GLM)}
+    levers = decode_levers(GLM, int8_rel_err="0.7% (test)")
+    assert {lv["cell"] for lv in levers} == {"8x22k", "1x64k"}
+    for lv in levers:
+        if lv["lever"].startswith("overlap"):
+            assert lv["cell"] == "8x22k" and lv["saved_ms"] == pytest.approx(base["8x22k"])
+            continue
+        assert 0 < lv["ms"] < base[lv["cell"]], lv
+        assert lv["saved_ms"] == pytest.approx(base[lv["cell"]] - lv["ms"], abs=2e-3)
+    int8 = next(lv for lv in levers if lv["lever"] == "INT8 decode all-reduce")
+    assert "0.7% (test)" in int8["note"]
