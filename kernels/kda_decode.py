@@ -26,8 +26,9 @@ Semantics are vLLM's: sequence n starts from state slot indices[n, a-1] (a = num
 1 without speculation) and the state after its t-th token goes to slot indices[n, t] (indices[n]
 without speculation), skipped where that slot is <= 0; its conv window starts at column a-1 of
 conv slot indices[n, 0], and the new conv state (old columns a .. a+W-3, then the step's inputs)
-is written from column 0. A sequence whose conv or state slot is <= 0, or that has no tokens, is
-padding: nothing of it is read or written. The conv output is rounded to the conv state's dtype
+is written from column 0. A sequence with no tokens or a conv slot <= 0 is padding: nothing of it
+is read or written; one whose state slot (indices[n, a-1]) is <= 0 gets its conv state updated
+and nothing else, as with vLLM's kernels. The conv output is rounded to the conv state's dtype
 before use (vLLM stores it there), q/k are l2-normalised with eps 1e-6 inside the sqrt, q scaled
 by D^-0.5, the gate is lower_bound * sigmoid(exp(a_log) * (g + g_bias)), beta = sigmoid(logits).
 """
@@ -122,16 +123,17 @@ def _token_inputs(x_tok, x_stride_t, cs_base, cs_stride_dim, cs_stride_col, firs
 
 
 @triton.jit
-def _delta_step(S, q, k, v, decay, beta, out_tok, state_ptr, dst, seq_len, vv, dk,
+def _delta_step(S, q, k, v, decay, beta, out_tok, state_ptr, dst, rec_len, vv, dk,
                 T: tl.constexpr, D: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """One token of the recurrence on the [BV, D] slice, in vLLM's order of operations; stores
-    the token's output slice and, where its slot is > 0, the state after it."""
+    """One token of the recurrence on the [BV, D] slice, in vLLM's order of operations; for a
+    token of the sequence's first rec_len, stores its output slice and, where its slot is > 0,
+    the state after it."""
     S = S * decay[None, :]
     u = (v - tl.sum(S * k[None, :], 1)) * beta
     S = S + u[:, None] * k[None, :]
     o = tl.sum(S * q[None, :], 1)
     # masks built from vectors: the interpreter mistypes a vector & scalar mask
-    live = vv * 0 + seq_len > T
+    live = vv * 0 + rec_len > T
     tl.store(out_tok + vv, _round_to(o, OUT_DTYPE).to(OUT_DTYPE), mask=live)
     tl.store(state_ptr + vv[:, None] * D + dk[None, :], S.to(state_ptr.dtype.element_ty),
              mask=(live & (vv * 0 + dst > 0))[:, None] & (dk < D)[None, :])
@@ -177,13 +179,16 @@ def _kda_decode_kernel(
     row = idx_ptr + n.to(tl.int64) * idx_stride_n
     conv_slot = tl.load(row).to(tl.int64)
     src = tl.load(row + first).to(tl.int64)
-    if (seq_len <= 0) | (conv_slot <= 0) | (src <= 0):
+    if (seq_len <= 0) | (conv_slot <= 0):
         return
+    # vLLM's recurrence skips a sequence whose state slot is null; its conv still runs
+    rec_len = tl.where(src > 0, seq_len, 0)
     dk = tl.arange(0, D)
     vv = iv * BV + tl.arange(0, BV)
     head_state = state_ptr + h * D * D
     # the state slice first: its address waits on two dependent loads already
-    S = tl.load(head_state + src * state_stride_slot + vv[:, None] * D + dk[None, :]).to(tl.float32)
+    S = tl.load(head_state + src * state_stride_slot + vv[:, None] * D + dk[None, :],
+                mask=(vv * 0 + rec_len > 0)[:, None] & (dk < D)[None, :], other=0.0).to(tl.float32)
 
     q_ch = h * D + dk
     k_ch = H * D + h * D + dk
@@ -221,16 +226,16 @@ def _kda_decode_kernel(
         dst3 = tl.load(row + 3).to(tl.int64)
 
     S = _delta_step(S, q0, k0, v0, d0, b0, out_base, head_state + dst0 * state_stride_slot, dst0,
-                    seq_len, vv, dk, 0, D, out_ptr.dtype.element_ty)
+                    rec_len, vv, dk, 0, D, out_ptr.dtype.element_ty)
     if MAX_T > 1:
         S = _delta_step(S, q1, k1, v1, d1, b1, out_base + H * D, head_state + dst1 * state_stride_slot, dst1,
-                        seq_len, vv, dk, 1, D, out_ptr.dtype.element_ty)
+                        rec_len, vv, dk, 1, D, out_ptr.dtype.element_ty)
     if MAX_T > 2:
         S = _delta_step(S, q2, k2, v2, d2, b2, out_base + 2 * H * D, head_state + dst2 * state_stride_slot,
-                        dst2, seq_len, vv, dk, 2, D, out_ptr.dtype.element_ty)
+                        dst2, rec_len, vv, dk, 2, D, out_ptr.dtype.element_ty)
     if MAX_T > 3:
         S = _delta_step(S, q3, k3, v3, d3, b3, out_base + 3 * H * D, head_state + dst3 * state_stride_slot,
-                        dst3, seq_len, vv, dk, 3, D, out_ptr.dtype.element_ty)
+                        dst3, rec_len, vv, dk, 3, D, out_ptr.dtype.element_ty)
 
     # The pair's last program to arrive does what needs the whole head. Every thread's loads of
     # the conv window and stores of the output slice come before the ticket (the barrier); its
@@ -247,7 +252,7 @@ def _kda_decode_kernel(
                                part * H * D + h * D + dh, first, seq_len, W, NCP)
         if FUSE_NORM:
             t = tl.arange(0, TP)
-            live = (t < seq_len)[:, None]
+            live = (t < rec_len)[:, None]
             o_ptrs = out_base + t[:, None] * (H * D) + dh[None, :]
             o = tl.load(o_ptrs, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(o * o, 1) / D + norm_eps)
@@ -350,13 +355,15 @@ def kda_decode_ref(qkv, conv_state, conv_weight, raw_g, raw_beta, a_log, g_bias,
     for n in range(len(bounds) - 1):
         bos, eos = bounds[n], bounds[n + 1]
         first = int(num_accepted_tokens[n]) - 1 if spec else 0
-        if eos == bos or int(idx[n, 0]) <= 0 or int(idx[n, first]) <= 0:
+        if eos == bos or int(idx[n, 0]) <= 0:
             continue
         one = torch.tensor([0, eos - bos])
         acc = num_accepted_tokens[n : n + 1] if spec else None
         x = causal_conv1d_update_ref(qkv[bos:eos], conv_state, conv_weight, activation="silu",
                                      conv_state_indices=idx[n : n + 1, 0], num_accepted_tokens=acc,
                                      query_start_loc=one if spec else None, max_query_len=max_t)
+        if int(idx[n, first]) <= 0:
+            continue
         q, k, v = (x.to(conv_state.dtype).float().reshape(1, eos - bos, 3, heads, dim)[:, :, i] for i in range(3))
         o, _ = fused_recurrent_kda_varlen(q, k, v, raw_g[None, bos:eos], raw_beta[None, bos:eos], a_log, g_bias,
                                           state, one, idx[n : n + 1] if spec else idx[n, :1], lower_bound,

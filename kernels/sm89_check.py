@@ -155,6 +155,9 @@ def shipped_configs():
     from . import fp8_block_linear
 
     yield from fp8_block_linear.sm89_configs()
+    from . import kda_decode
+
+    yield from kda_decode.sm89_configs()
 
 
 def _mhc_configs():

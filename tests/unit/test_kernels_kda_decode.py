@@ -106,9 +106,10 @@ def test_mtp_verify_matches_reference(config, norm):
 
 
 @interpreted
-def test_null_state_slot_skips_the_whole_sequence():
+def test_null_state_slot_skips_the_recurrence_not_the_conv():
     cu = torch.tensor([0, 3, 6], dtype=torch.int32)
-    # sequence 1 resumes from column 1, whose slot is null: vLLM skips its recurrence
+    # sequence 1 resumes from column 1, whose slot is null: vLLM skips its recurrence (no state,
+    # no output) but its conv kernel still slides the window of conv slot 5
     idx = torch.tensor([[1, 2, 3, 4], [5, 0, 6, 7]], dtype=torch.int32)
     acc = torch.tensor([1, 2], dtype=torch.int32)
     layer = _layer(seed=5, tokens=6)
@@ -117,7 +118,7 @@ def test_null_state_slot_skips_the_whole_sequence():
     assert torch.all(got[0][3:].float() == 3.0)
     for slot in (5, 6, 7):
         assert torch.equal(got[1]["state"][slot], layer["state"][slot])
-    assert torch.equal(got[1]["conv_state"][5], layer["conv_state"][5])
+    assert not torch.equal(got[1]["conv_state"][5], layer["conv_state"][5])
 
 
 @interpreted
@@ -179,6 +180,33 @@ def test_two_verify_steps_equal_the_accepted_tokens_run_straight():
     assert torch.all((got - ref).abs() <= 2 ** -7 * ref.abs() + 1e-4)
     # and the conv state holds the window the next step would start from after accepting all 3
     torch.testing.assert_close(conv_state[1, :, 2 : 2 + W - 1].float(), seq[:, -(W - 1) :])
+
+
+@interpreted
+@pytest.mark.parametrize("spec", [True, False])
+def test_the_gpu_benchs_layer_layout_runs_on_the_kernel(monkeypatch, spec):
+    """bench/gpu/kda_bench.py's layers (what the GPU test and bench feed both kernels) at small
+    shapes on the CPU: the kernel against the reference on them."""
+    import sys
+
+    from tests.conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "bench" / "gpu"))
+    sys.modules.pop("kda_bench", None)
+    import kda_bench as kb
+
+    monkeypatch.setattr(kb, "H", H)
+    monkeypatch.setattr(kb, "D", D)
+    layer = kb.make_layer(3, seed=4, tokens_per_seq=4 if spec else 1, spec=spec, device="cpu")
+    ours, ref = kb.clone_caches(layer), kb.clone_caches(layer)
+    ours["out"].zero_(), ref["out"].zero_()
+    kb.glmctl_step(ours)
+    kd.kda_decode_ref(ref["qkv"], ref["conv_state"], ref["conv_w"], ref["g1"], ref["beta"][0], ref["a_log"],
+                      ref["g_bias"], ref["state"], ref["cu"], ref["idx"], kb.LOWER_BOUND,
+                      num_accepted_tokens=ref["acc"], out=ref["out"][0], norm_gate=ref["norm_gate"],
+                      norm_weight=ref["norm_w"], norm_eps=kb.EPS)
+    _assert_matches((ours["out"], ours), (ref["out"], ref))
+    assert kb.step_bytes(layer) > layer["state"][0].numel() * 4 * 3
 
 
 def test_config_choice_fills_the_gpu_at_both_decode_cells():
