@@ -136,7 +136,7 @@ def _delta_step(S, q, k, v, decay, beta, out_tok, state_ptr, dst, rec_len, vv, d
     live = vv * 0 + rec_len > T
     tl.store(out_tok + vv, _round_to(o, OUT_DTYPE).to(OUT_DTYPE), mask=live)
     tl.store(state_ptr + vv[:, None] * D + dk[None, :], S.to(state_ptr.dtype.element_ty),
-             mask=(live & (vv * 0 + dst > 0))[:, None] & (dk < D)[None, :])
+             mask=(live & (vv * 0 + dst > 0))[:, None])
     return S
 
 
@@ -188,7 +188,7 @@ def _kda_decode_kernel(
     head_state = state_ptr + h * D * D
     # the state slice first: its address waits on two dependent loads already
     S = tl.load(head_state + src * state_stride_slot + vv[:, None] * D + dk[None, :],
-                mask=(vv * 0 + rec_len > 0)[:, None] & (dk < D)[None, :], other=0.0).to(tl.float32)
+                mask=(vv * 0 + rec_len > 0)[:, None], other=0.0).to(tl.float32)
 
     q_ch = h * D + dk
     k_ch = H * D + h * D + dk
@@ -387,7 +387,10 @@ def sm89_configs():
                  out_ptr="*bf16", gate_ptr="*bf16", gate_stride_t=i64, norm_w_ptr="*bf16", cnt_ptr="*i32",
                  scale=f32, norm_eps=f32)
     for cfg in CONFIGS.values():
-        for max_t, spec, norm in ((4, True, True), (4, True, False), (1, False, True)):
+        variants = [(4, True, True), (1, False, True)]  # MTP-3 verification, plain decode
+        if cfg.name in ("v8w1", "v32w4"):  # picked at 1 x 4 and 8 x 4: the bench also runs them unnormed
+            variants.append((4, True, False))
+        for max_t, spec, norm in variants:
             tag = f"{cfg.name} T{max_t}{' spec' if spec else ''}{' norm' if norm else ''}"
             yield (f"kda_decode[{tag}]", _kda_decode_kernel, types,
                    dict(H=8, D=128, BV=cfg.block_v, W=4, MAX_T=max_t, SPEC=spec, FUSE_NORM=norm,
