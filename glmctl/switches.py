@@ -137,6 +137,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("GLMCTL_ROUTER_GEMM", "choice", PLUGIN,
        "the MoE router's logits on CUDA: glmctl's weight-streaming GEMV for decode batches, or vLLM's "
        "cuBLAS call", default="auto", choices=("auto", "glmctl", "vllm"), shown_default="auto (vllm's)"),
+    Switch("GLMCTL_KDA_DECODE", "choice", PLUGIN,
+       "KDA decode and MTP-verify steps on CUDA: glmctl's one-launch kernel (short conv, delta rule, "
+       "gated norm), or vLLM's conv, recurrent and norm kernels", default="auto",
+       choices=("auto", "glmctl", "vllm"), shown_default="auto (vllm's)"),
     Switch("GLMCTL_MHC", "choice", PLUGIN, "which implementation runs the mHC ops",
        default="auto", choices=("auto", "tilelang", "triton", "torch"),
        shown_default="auto (tilelang on sm_90+ where importable, else triton; torch on CPU)"),

@@ -28,7 +28,9 @@ DIVISIBLE = {"q_stride_t", "q_stride_h", "row_stride", "num_rows", "idx_stride_t
              "bt_stride", "out_stride", "logits_stride",
              # the block-FP8 linears: bf16 activations' and fp8 weights' row strides, N and K
              # (TP8 slices of GLM-5.3-Flash's projections are multiples of 128)
-             "x_stride_m", "w_stride_n", "size_n", "size_k"}
+             "x_stride_m", "w_stride_n", "size_n", "size_k",
+             # KDA's recurrent-state slot stride (a KV-pool page: 8 heads x 128 x 128 and padding)
+             "state_stride_slot"}
 
 
 def shipped_configs():
@@ -155,6 +157,9 @@ def shipped_configs():
     from . import fp8_block_linear
 
     yield from fp8_block_linear.sm89_configs()
+    from . import kda_decode
+
+    yield from kda_decode.sm89_configs()
 
 
 def _mhc_configs():

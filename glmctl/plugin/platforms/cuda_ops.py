@@ -10,6 +10,8 @@ Found by reading vLLM's glm5next model and its imports:
     when tilelang is absent (config hook);
   - the MoE router's logits (GLMCTL_ROUTER_GEMM=glmctl): glmctl's GEMV instead of cuBLAS's
     split-K pair (`moe_router`);
+  - KDA decode / MTP verify (GLMCTL_KDA_DECODE=glmctl): glmctl's one-launch conv + delta rule +
+    gated norm instead of vLLM's three kernels (`kda_layer`);
   - FP8 KV cache: vLLM maps `--kv-cache-dtype fp8` to the 656-byte `fp8_ds_mla` record only
     for FLASHMLA_SPARSE; our backend keeps vLLM's standard 512-byte fp8 row (no RoPE tail,
     one per-tensor scale) and writes it with glmctl's Triton kernel (`fp8_ds_mla` on request).
@@ -33,6 +35,12 @@ def install() -> list[str]:
         from glmctl.plugin.platforms import moe_router
 
         installed.append(moe_router.install())
+    from glmctl.plugin.kda_layer import kda_decode_kernel
+
+    if kda_decode_kernel(current_platform.is_cuda()) == "glmctl":
+        from glmctl.plugin import kda_layer
+
+        installed.append(kda_layer.install())
     cap = current_platform.get_device_capability()
     if cap is not None and (cap.major, cap.minor) < (8, 9):
         from vllm.models.glm5next.nvidia import attention
