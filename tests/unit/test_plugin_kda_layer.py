@@ -1,4 +1,4 @@
-"""The KDA decode hook (`glmctl.plugin.kda_layer`) on CPU: when it is chosen, which steps glmctl's
+"""The KDA decode hook (`glmctl.plugin.platforms.kda_layer`) on CPU: when it is chosen, which steps glmctl's
 kernel takes (pure MTP verification and pure plain decode; never a step with prefill tokens, more
 draft tokens than the kernel unrolls, or a layer without counters), the normed output on both paths
 (glmctl's kernel in the Triton interpreter against the torch reference; vLLM's `_forward` then the
@@ -21,7 +21,7 @@ _modules = import_interpreted("glmctl.kernels.kda_decode")
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
 
 from glmctl.kernels.kda_decode import gated_rms_norm_ref, kda_decode_ref, new_counters  # noqa: E402
-from glmctl.plugin import kda_layer as hook  # noqa: E402
+from glmctl.plugin.platforms import kda_layer as hook  # noqa: E402
 
 H, D, W, SPEC = 2, 16, 4, 3
 

@@ -35,10 +35,10 @@ def install() -> list[str]:
         from glmctl.plugin.platforms import moe_router
 
         installed.append(moe_router.install())
-    from glmctl.plugin.kda_layer import kda_decode_kernel
+    from glmctl.plugin.platforms.kda_layer import kda_decode_kernel
 
     if kda_decode_kernel(current_platform.is_cuda()) == "glmctl":
-        from glmctl.plugin import kda_layer
+        from glmctl.plugin.platforms import kda_layer
 
         installed.append(kda_layer.install())
     cap = current_platform.get_device_capability()
