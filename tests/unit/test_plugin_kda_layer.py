@@ -21,6 +21,7 @@ _modules = import_interpreted("glmctl.kernels.kda_decode")
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
 
 from glmctl.kernels.kda_decode import gated_rms_norm_ref, kda_decode_ref, new_counters  # noqa: E402
+
 from glmctl.plugin.platforms import kda_layer as hook  # noqa: E402
 
 H, D, W, SPEC = 2, 16, 4, 3
