@@ -10,6 +10,8 @@
 #          the previous kernels/mhc_pre_post.py, when carried)
 #   fp8    tests/gpu/test_fp8_linear_gpu.py, then bench/gpu/fp8_linear_bench.py (vs vLLM's Marlin FP8)
 #   topk   tests/gpu/test_topk_gpu.py, then bench/gpu/topk_bench.py (new vs previous top-k)
+#   kda    tests/gpu/test_kda_gpu.py, then bench/gpu/kda_bench.py (glmctl's one-launch KDA decode vs
+#          vLLM's FLA kernels at 8x4 and 1x4 tokens)
 # A step whose files are absent is skipped. Writes under $OUT: round.log (every test log) and
 # each bench's JSON.
 set -uo pipefail
@@ -47,7 +49,8 @@ python3 -c "import torch, triton; p = torch.cuda.get_device_properties(0); print
 base=()
 [ -f out/bench/mhc_baseline.py ] && base=(--baseline out/bench/mhc_baseline.py)
 step mhc tests/gpu/test_mhc_gpu.py bench/mhc.py --out "$OUT/mhc-h200.json" --sweep "${base[@]}"
-step fp8 tests/gpu/test_fp8_linear_gpu.py bench/gpu/fp8_linear_bench.py
+step fp8 tests/gpu/test_fp8_linear_gpu.py bench/gpu/fp8_linear_bench.py --out "$OUT/fp8-linear-h200.json"
 step topk tests/gpu/test_topk_gpu.py bench/gpu/topk_bench.py
+step kda tests/gpu/test_kda_gpu.py bench/gpu/kda_bench.py --out "$OUT/kda-bench-h200.json"
 grep -E "^(FAILED|ERROR)" "$LOG" | head -20
 cat "$TABLES"; rm -f "$TABLES"
