@@ -183,6 +183,9 @@ def _mhc_configs():
                     BLOCK_S=triton.next_power_of_2(triton.cdiv(4096, cfg.block_h)),
                     SINKHORN_REPEAT=20, HAS_NORM=True),
                dict(num_warps=mhc_pre_post.finalize_warps(4096), num_stages=1))
+    from . import mhc_decode
+
+    yield from mhc_decode.sm89_configs()
 
 
 def compile_for_sm89(fn, types: dict, constexprs: dict, options: dict, arch: int = 89) -> dict:
