@@ -1,31 +1,36 @@
 """One launch per mHC block at decode sizes: the (post +) pre block of ``mhc_pre_post`` (same
-arguments, same semantics, its ``mhc_pre_ref`` / ``mhc_fused_post_pre_ref`` are the references),
-with the mix reduction, the gates and the collapse + RMSNorm finished inside the same launch.
+arguments and semantics; its ``mhc_pre_ref`` / ``mhc_fused_post_pre_ref`` are the references).
 
-Grid (token groups of ``block_t`` tokens, hidden splits of ``block_h`` columns). Every program:
+Grid (token groups of ``block_t`` tokens, hidden splits). Every program:
 
-1. loads its residual tile ``[block_t, n, block_h]`` (and ``x``, the previous block's post and
-   comb gates where the post block is fused), stores ``residual_cur`` for the tile, and writes
-   its partial mix logits and square sum to ``part[split, token, :]`` (``MIX_PAD`` floats per row:
-   the ``n3 = 2n + n^2`` logits at their ``fn`` row index, the square sum at index ``n3``);
+1. walks its split's columns in ``block_h`` chunks (the next chunk's loads issued before the
+   current chunk's stores): the post block where fused (storing ``residual_cur``), then the fp32
+   products of the mix projection and the square sum, accumulated in registers; one partial row
+   per token to ``part[split, token, :]`` (``MIX_PAD`` floats: the ``n3 = 2n + n^2`` logits at
+   their ``fn`` row index, the square sum at index ``n3``);
 2. arrives at its group's counter: a CTA barrier, then one ``acq_rel`` atomic add at GPU scope
-   (release: the whole CTA's partials before the count). The program drawing ticket
-   ``splits - 1`` arrived last, so every partial of its group is visible to it (acquire), and
-   only it goes on; it sets the counter back to 0, so the next launch finds every counter at
-   0 (self-resetting: nothing to clear between launches or graph replays);
+   (release: the CTA's stores before the count). The program drawing ticket ``splits - 1``
+   arrived last: every store of its group is visible to it (acquire). It alone goes on, and sets
+   the counter back to 0, so every launch finds the counters at 0 (nothing to clear between
+   launches or graph replays);
 3. (last program of the group) sums the partials over the splits in one fixed tree (whichever
-   program finishes, the sums are the same: deterministic), computes the gates elementwise per
-   token (each of the ``n^2`` comb entries is its own ``[block_t]`` vector, so the Sinkhorn
-   rounds are register arithmetic with no cross-thread reduction), stores post and comb, then
-   collapses the group's tokens, ``bf16(sum_i pre_i * cur_i)``, chunk by chunk over the hidden
-   size (the next chunk's loads issued before the current chunk's arithmetic) and applies the
-   RMSNorm from the bf16 values, as vLLM's separate norm does.
+   program finishes, the sums are the same: deterministic), computes the pre and post gates,
+   collapses the group's tokens, ``bf16(sum_i pre_i * cur_i)``, chunk by chunk (the first chunk
+   requested beside the partials), applies the RMSNorm to the bf16 rows as vLLM's separate norm
+   does, and last the comb gates: each of the ``n^2`` entries is its own ``[block_t]`` vector,
+   so softmax and Sinkhorn rounds are register arithmetic, no cross-thread reduction.
 
-Loads of what other programs of the launch wrote (partials, ``residual_cur``) bypass L1 (``.cg``).
-The counters are a persistent int32 buffer per device (``counters``), allocated and zeroed
-outside graph capture; launches that share it must not run concurrently (one stream per device,
-as a model's forward runs). The mix projection is fp32 products summed in fp32, as the
-two-launch kernels'.
+Loads of what other programs of the launch wrote bypass L1 (``.cg``). The counters are a
+persistent int32 buffer per device (``counters``), allocated and zeroed outside graph capture;
+launches sharing it must not run concurrently (one stream per device, as a model's forward).
+
+Cost per block at GLM-5.3-Flash's shape (n=4, H=4096, fn 1.5 MiB fp32), predicted from byte
+counts, not measured: the fn slice is read once per group (the first group from memory, the
+others mostly from L2) and each finisher reads its tokens' rows alone (32 KiB per token) plus
+``splits x 128 B`` of partials per token. At 32 tokens (t4: 8 groups x 16 splits) every SM
+streams ~100 KiB of fn, then one SM per group reads 128 KiB of rows: ~1-2 µs each at one SM's
+L2 bandwidth, plus a launch, the atomic and the gate arithmetic, ~5-6 µs per block against the
+two-launch pair's 17 µs measured on the H200; at 4 tokens (t2: 2 groups x 32 splits) ~4 µs.
 """
 
 from __future__ import annotations
@@ -70,6 +75,16 @@ FUSED_CONFIGS = (FUSED_T1, FUSED_T2, FUSED_T4, FUSED_T8)
 # kernels of mhc_pre_post.
 FUSED_BY_TOKENS = ((2, FUSED_T1), (8, FUSED_T2), (32, FUSED_T4), (64, FUSED_T8))
 FUSED_MAX_TOKENS = FUSED_BY_TOKENS[-1][0]
+# (tokens, config) the benchmark times beside the defaults (bench/mhc.py --sweep): one knob at a
+# time around each default. Cross-compiled for sm_89 with the shipped ones.
+FUSED_CANDIDATES = (
+    (4, FusedConfig("t1s64", block_t=1, block_h=64, splits=64, fin_h=4096, num_warps=8)),
+    (4, FusedConfig("t2s64", block_t=2, block_h=64, splits=64, fin_h=512, num_warps=8)),
+    (4, FusedConfig("t4s64", block_t=4, block_h=64, splits=64, fin_h=256, num_warps=8)),
+    (32, FusedConfig("t4s32", block_t=4, block_h=64, splits=32, fin_h=256, num_warps=8)),
+    (32, FusedConfig("t8s32", block_t=8, block_h=64, splits=32, fin_h=128, num_warps=8)),
+    (32, FusedConfig("t2s8", block_t=2, block_h=64, splits=8, fin_h=512, num_warps=8)),
+)
 MAX_GROUPS = 256
 
 
@@ -168,7 +183,7 @@ def _mhc_block_kernel(
         tl.store(count_ptr + pid_t, 0)
         _finish_group(
             part_ptr, cur_ptr, scale_ptr, base_ptr, norm_w_ptr, post_out_ptr, comb_out_ptr,
-            lin_out_ptr, toks, tmask, t64, T, H, num_splits,
+            lin_out_ptr, tmask, t64, T, H, num_splits,
             rms_eps, pre_eps, sk_eps, post_mult, norm_eps,
             N, N3, MIX_PAD, BLOCK_T, BLOCK_S, FIN_H, FIN_CHUNKS, SINKHORN_REPEAT, HAS_NORM,
         )
@@ -216,7 +231,7 @@ def _load_rows(cur_ptr, t64, tmask, h0, H, hf, N: tl.constexpr):
 @triton.jit
 def _finish_group(
     part_ptr, cur_ptr, scale_ptr, base_ptr, norm_w_ptr, post_out_ptr, comb_out_ptr, lin_out_ptr,
-    toks, tmask, t64, T, H, num_splits,
+    tmask, t64, T, H, num_splits,
     rms_eps, pre_eps, sk_eps, post_mult, norm_eps,
     N: tl.constexpr, N3: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr, FIN_H: tl.constexpr, FIN_CHUNKS: tl.constexpr,
@@ -337,7 +352,7 @@ def _apply_norm(lin, rn, w):
 def _load_lin(lin_ptr, t64, tmask, h0, H, hf):
     hs = h0 + hf
     return tl.load(lin_ptr + t64[:, None] * H + hs[None, :], mask=tmask[:, None] & (hs < H)[None, :],
-                   other=0.0)
+                   other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -419,27 +434,3 @@ def fused_block(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps,
         num_warps=cfg.num_warps,
     )
     return cur, post_out, comb_out, lin
-
-
-def sm89_configs(hidden: int = 4096, n: int = 4):
-    """(name, jit function, {arg: type}, {constexpr: value}, options) for ``sm89_check``:
-    every fused config at GLM-5.3-Flash's shape, with and without the post block."""
-    i32, f32 = "i32", "fp32"
-    types = dict(res_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32",
-                 cur_ptr="*bf16", fn_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32",
-                 scale_ptr="*fp32", base_ptr="*fp32", norm_w_ptr="*bf16", post_out_ptr="*fp32",
-                 comb_out_ptr="*fp32", lin_out_ptr="*bf16", T=i32, H=i32, num_splits=i32,
-                 chunks_per_split=i32, rms_eps=f32, pre_eps=f32, sk_eps=f32, post_mult=f32, norm_eps=f32)
-    for cfg in FUSED_CONFIGS:
-        splits, _ = cfg.plan(hidden)
-        fin_h = min(triton.next_power_of_2(hidden), cfg.fin_h)
-        for with_post in (True, False):
-            yield (f"mhc_block[{cfg.name} post={with_post}]", _mhc_block_kernel,
-                   types,
-                   dict(N=n, N3=n * (n + 2), GP=triton.next_power_of_2(2 * n),
-                        CP=triton.next_power_of_2(n * n), MIX_PAD=mix_pad(n),
-                        BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-                        BLOCK_S=triton.next_power_of_2(splits), FIN_H=fin_h,
-                        FIN_CHUNKS=triton.cdiv(hidden, fin_h), SINKHORN_REPEAT=20,
-                        WITH_POST=with_post, HAS_NORM=True),
-                   dict(num_warps=cfg.num_warps, num_stages=1))
