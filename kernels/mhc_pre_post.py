@@ -48,6 +48,7 @@ from . import mhc_decode
 DECODE_PATHS = ("fused", "split")
 DEFAULT_DECODE = "fused"
 
+
 @dataclass(frozen=True)
 class MixConfig:
     """Tile of the partial-mix kernel: tokens x hidden columns per program."""
@@ -230,14 +231,14 @@ def _launch(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, hc_
     """One pre block, optionally preceded by a post block (x, post_mix, comb_mix given)."""
     t, n, h = _check(residual, fn)
     residual = residual.contiguous()
-    cfg = _fused_config(DEFAULT_DECODE if decode is None else decode, t)
+    fused = _fused_config(DEFAULT_DECODE if decode is None else decode, t)
     # The counters are made on the first call, whatever its size (vLLM's first forward is an
     # eager prefill-sized one), so that a later graph capture finds them.
     count = mhc_decode.counters(residual.device)
-    if cfg is not None and count is not None and t > 0:
+    if fused is not None and count is not None and t > 0:
         return mhc_decode.fused_block(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base,
                                       rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-                                      sinkhorn_repeat, norm_weight, norm_eps, cfg, count)
+                                      sinkhorn_repeat, norm_weight, norm_eps, fused, count)
     with_post = x is not None
     cfg = mix_config(t)
     splits = triton.cdiv(h, cfg.block_h)
