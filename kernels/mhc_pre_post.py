@@ -19,7 +19,11 @@ Shapes (``n`` = hc_mult residual streams, ``H`` = hidden size, ``n3 = 2n + n^2``
 ``mhc_fused_post_pre``: residual_cur = mhc_post(...), then mhc_pre(residual_cur) (the pre reads
 the bf16-rounded residual_cur, as the unfused pair does).
 
-Two launches per block, both CUDA-graph safe (shapes only from tensor sizes, no host sync):
+Decode batches (up to ``mhc_decode.FUSED_MAX_TOKENS`` tokens) run in one launch per block
+(``mhc_decode``: the partial mixes, then the last program of each token group finishes the
+gates, the collapse and the norm) unless ``decode="split"`` is passed; ``decode`` may also name a
+``mhc_decode.FusedConfig`` (benchmarks). Larger batches, and ``decode="split"``, take two launches
+per block, both CUDA-graph safe (shapes only from tensor sizes, no host sync):
 1. ``_mix_partials_kernel``, grid (token blocks, hidden blocks): applies the post block to its
    [tokens, n, BLOCK_H] tile where asked (storing residual_cur), and writes each tile's partial
    mix logits and square sums to a workspace [splits, T, MIX_PAD].
@@ -37,6 +41,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from . import mhc_decode
+
+# The decode paths ``decode=`` names: one launch per block (fused) or the partials + finalize pair.
+DECODE_PATHS = ("fused", "split")
+DEFAULT_DECODE = "fused"
 
 
 @dataclass(frozen=True)
@@ -191,15 +201,6 @@ def _mix_finalize_kernel(
     tl.store(lin_out_ptr + t * H + hs, lin, mask=hmask)
 
 
-def _sinkhorn_repeat(value) -> int:
-    # A compile-time constant (the model's, 20 for GLM-5.3-Flash): the iterations unroll, so
-    # the gates are one straight chain of register math.
-    repeat = int(value)
-    if repeat < 1:
-        raise ValueError(f"sinkhorn_repeat must be at least 1, got {repeat}")
-    return repeat
-
-
 def _mix_pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n * (n + 2)))
 
@@ -215,11 +216,29 @@ def _check(residual: torch.Tensor, fn: torch.Tensor | None = None) -> tuple[int,
     return t, n, h
 
 
+def _fused_config(decode, num_tokens: int):
+    """The one-launch config for this batch, or None for the two-launch kernels."""
+    if isinstance(decode, mhc_decode.FusedConfig):
+        return decode
+    if decode not in DECODE_PATHS:
+        raise ValueError(f"decode={decode!r} is not one of {', '.join(DECODE_PATHS)} "
+                         "or a mhc_decode.FusedConfig")
+    return mhc_decode.pick_config(num_tokens) if decode == "fused" else None
+
+
 def _launch(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
-            hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_weight, norm_eps):
+            hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_weight, norm_eps, decode):
     """One pre block, optionally preceded by a post block (x, post_mix, comb_mix given)."""
     t, n, h = _check(residual, fn)
     residual = residual.contiguous()
+    fused = _fused_config(DEFAULT_DECODE if decode is None else decode, t)
+    # The counters are made on the first call, whatever its size (vLLM's first forward is an
+    # eager prefill-sized one), so that a later graph capture finds them.
+    count = mhc_decode.counters(residual.device)
+    if fused is not None and count is not None and t > 0:
+        return mhc_decode.fused_block(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base,
+                                      rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                                      sinkhorn_repeat, norm_weight, norm_eps, fused, count)
     with_post = x is not None
     cfg = mix_config(t)
     splits = triton.cdiv(h, cfg.block_h)
@@ -252,28 +271,28 @@ def _launch(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, hc_
         float(hc_sinkhorn_eps), float(hc_post_mult_value), float(norm_eps),
         N=n, BLOCK_N=triton.next_power_of_2(n), MIX_PAD=pad,
         BLOCK_HF=triton.next_power_of_2(h), BLOCK_S=triton.next_power_of_2(splits),
-        SINKHORN_REPEAT=_sinkhorn_repeat(sinkhorn_repeat), HAS_NORM=has_norm,
+        SINKHORN_REPEAT=mhc_decode.sinkhorn_repeat(sinkhorn_repeat), HAS_NORM=has_norm,
         num_warps=finalize_warps(h),
     )
     return cur, post_out, comb_out, lin
 
 
 def mhc_pre(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
-            hc_post_mult_value, sinkhorn_repeat, norm_weight=None, norm_eps=0.0):
+            hc_post_mult_value, sinkhorn_repeat, norm_weight=None, norm_eps=0.0, decode=None):
     """-> (post [T, n, 1] fp32, comb [T, n, n] fp32, layer_input [T, H] bf16)."""
     _, post, comb, lin = _launch(residual, None, None, None, fn, hc_scale, hc_base, rms_eps,
                                  hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-                                 sinkhorn_repeat, norm_weight, norm_eps)
+                                 sinkhorn_repeat, norm_weight, norm_eps, decode)
     return post, comb, lin
 
 
 def mhc_fused_post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base,
                        rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
-                       sinkhorn_repeat, norm_weight=None, norm_eps=0.0):
+                       sinkhorn_repeat, norm_weight=None, norm_eps=0.0, decode=None):
     """-> (residual_cur [T, n, H] bf16, post, comb, layer_input)."""
     return _launch(residual, x, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps,
                    hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat,
-                   norm_weight, norm_eps)
+                   norm_weight, norm_eps, decode)
 
 
 def mhc_post(x, residual, post_layer_mix, comb_res_mix):

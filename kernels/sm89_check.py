@@ -188,6 +188,25 @@ def _mhc_configs():
                     BLOCK_S=triton.next_power_of_2(triton.cdiv(4096, cfg.block_h)),
                     SINKHORN_REPEAT=20, HAS_NORM=True),
                dict(num_warps=mhc_pre_post.finalize_warps(4096), num_stages=1))
+    from . import mhc_decode
+
+    types = dict(part_types, count_ptr="*i32", scale_ptr="*fp32", base_ptr="*fp32",
+                 norm_w_ptr="*bf16", post_out_ptr="*fp32", comb_out_ptr="*fp32",
+                 lin_out_ptr="*bf16", num_splits=i32, chunks_per_split=i32, rms_eps=f32,
+                 pre_eps=f32, sk_eps=f32, post_mult=f32, norm_eps=f32)
+    candidates = {cfg.name: cfg for _, cfg in mhc_decode.FUSED_CANDIDATES}
+    for cfg in (*mhc_decode.FUSED_CONFIGS, *candidates.values()):
+        splits, _ = cfg.plan(4096)
+        fin_h = min(4096, cfg.fin_h)
+        # the benchmark's candidates run the fused post+pre block only
+        for with_post in (True, False) if cfg in mhc_decode.FUSED_CONFIGS else (True,):
+            yield (f"mhc_block[{cfg.name} post={with_post}]", mhc_decode._mhc_block_kernel, types,
+                   dict(N=4, N3=24, GP=8, CP=16, MIX_PAD=mhc_decode.mix_pad(4),
+                        BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
+                        BLOCK_S=triton.next_power_of_2(splits), FIN_H=fin_h,
+                        FIN_CHUNKS=triton.cdiv(4096, fin_h), SINKHORN_REPEAT=20,
+                        WITH_POST=with_post, HAS_NORM=True),
+                   dict(num_warps=cfg.num_warps, num_stages=1))
 
 
 def compile_for_sm89(fn, types: dict, constexprs: dict, options: dict, arch: int = 89) -> dict:

@@ -1,6 +1,9 @@
 """GPU lane: glmctl's Triton mHC kernels at GLM-5.3-Flash's shape (4 streams, hidden 4096, 20
 Sinkhorn iterations) against their torch references run in fp32 on the same GPU, vLLM 0.30's own
-torch mHC functions where vLLM is importable, and CUDA-graph replay with new inputs.
+torch mHC functions where vLLM is importable, and CUDA-graph replay with new inputs. Decode sizes
+run both the one-launch path (fused, the default up to 64 tokens) and the two-launch pair
+(split); the one-launch path's arrival counters must be back at zero after every launch, and
+its results must not depend on which program of a group arrives last.
 
 Tolerances: the gates differ from the fp32 reference only by summation order (16,384-term dot
 products); bf16 outputs by at most one rounding step of the fp32 value (two for the normed
@@ -49,14 +52,19 @@ def _steps(a, b, steps, atol=1e-6):
     assert torch.all(diff <= tol), f"max excess {(diff - tol).max().item():.3g}"
 
 
-@pytest.mark.parametrize("t", [1, 8, 32, 48, 300, 2048])
-def test_fused_post_pre_matches_reference(t):
-    from glmctl.kernels import mhc_pre_post
+CASES = [(t, decode) for t in (1, 4, 8, 32, 48, 300, 2048) for decode in ("fused", "split")
+         if t <= 64 or decode == "split"]
+
+
+@pytest.mark.parametrize("t,decode", CASES)
+def test_fused_post_pre_matches_reference(t, decode):
+    from glmctl.kernels import mhc_decode, mhc_pre_post
 
     residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(t, seed=t)
     args = (x, residual, post_in, comb_in, fn, scale, base)
     cur, post, comb, lin = mhc_pre_post.mhc_fused_post_pre(*args, **GATES, norm_weight=weight,
-                                                  norm_eps=1e-5)
+                                                           norm_eps=1e-5, decode=decode)
+    assert not mhc_decode.counters(residual.device).any()
     _steps(cur, mhc_pre_post.mhc_post_ref(x, residual, post_in, comb_in), 1)
     post_r, comb_r, lin_r = mhc_pre_post.mhc_pre_ref(cur, fn, scale, base, **GATES, norm_weight=weight,
                                             norm_eps=1e-5)
@@ -71,7 +79,7 @@ def test_pre_and_post_match_vllm_torch_functions(t):
     from glmctl.kernels import mhc_pre_post
 
     residual, x, fn, scale, base, post_in, comb_in, _ = _inputs(t, seed=100 + t)
-    post, comb, lin = mhc_pre_post.mhc_pre(residual, fn, scale, base, **GATES)
+    post, comb, lin = mhc_pre_post.mhc_pre(residual, fn, scale, base, **GATES)  # fused to 64
     post_v, comb_v, lin_v = vk.mhc_pre_torch(residual, fn, scale, base, **GATES)
     torch.testing.assert_close(post, post_v, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(comb, comb_v, rtol=1e-4, atol=1e-5)
@@ -86,7 +94,6 @@ def test_pre_and_post_match_vllm_torch_functions(t):
 def test_registered_ops_keep_the_callers_shape():
     pytest.importorskip("vllm")
     from glmctl.kernels import mhc_pre_post
-
     from glmctl.plugin.mhc import mhc_ops
 
     mhc_ops.register()
@@ -102,13 +109,13 @@ def test_registered_ops_keep_the_callers_shape():
     assert post.shape == (6, N, 1) and comb.shape == (6, N, N) and lin.shape == (6, H)
 
 
-def test_graph_replay_with_new_inputs_matches_eager():
-    from glmctl.kernels import mhc_pre_post
+@pytest.mark.parametrize("t,decode", [(4, "fused"), (32, "fused"), (32, "split")])
+def test_graph_replay_with_new_inputs_matches_eager(t, decode):
+    from glmctl.kernels import mhc_decode, mhc_pre_post
 
-    t = 32
     static = _inputs(t, seed=1)
     residual, x, fn, scale, base, post_in, comb_in, weight = static
-    kw = dict(**GATES, norm_weight=weight, norm_eps=1e-5)
+    kw = dict(**GATES, norm_weight=weight, norm_eps=1e-5, decode=decode)
     for _ in range(2):  # compile outside the capture
         mhc_pre_post.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
     graph = torch.cuda.CUDAGraph()
@@ -123,3 +130,27 @@ def test_graph_replay_with_new_inputs_matches_eager():
         eager = mhc_pre_post.mhc_fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, **kw)
         for a, b in zip(outs, eager, strict=True):
             assert torch.equal(a, b), f"replay {seed} differs from eager"
+    assert not mhc_decode.counters(residual.device).any()
+
+
+@pytest.mark.parametrize("t", [1, 4, 32, 64])
+def test_one_launch_agrees_with_two_and_repeats_exactly(t):
+    """The one-launch block against the two-launch pair (residual_cur within a bf16 step, gates to
+    summation order, the layer input within a step where the streams do not cancel), and 200
+    launches in a row, whose last programs differ from launch to launch, all bit-identical."""
+    from glmctl.kernels import mhc_decode, mhc_pre_post
+
+    residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(t, seed=40 + t)
+    args = (x, residual, post_in, comb_in, fn, scale, base)
+    kw = dict(**GATES, norm_weight=weight, norm_eps=1e-5)
+    fused = mhc_pre_post.mhc_fused_post_pre(*args, **kw, decode="fused")
+    split = mhc_pre_post.mhc_fused_post_pre(*args, **kw, decode="split")
+    _steps(fused[0], split[0], 1)
+    torch.testing.assert_close(fused[1], split[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused[2], split[2], rtol=1e-5, atol=1e-6)
+    _steps(fused[3], split[3], 1, atol=1e-5 * fused[0].float().abs().sum(1) + 1e-6)
+    for i in range(200):
+        again = mhc_pre_post.mhc_fused_post_pre(*args, **kw, decode="fused")
+        for a, b in zip(again, fused, strict=True):
+            assert torch.equal(a, b), f"launch {i} differs"
+    assert not mhc_decode.counters(residual.device).any()

@@ -14,7 +14,7 @@ from glmctl.kernels.triton_env import (  # noqa: E402
     run_in_fresh_interpreter_process,
 )
 
-_modules = import_interpreted("glmctl.kernels.mhc_pre_post")
+_modules = import_interpreted("glmctl.kernels.mhc_pre_post", "glmctl.kernels.mhc_decode")
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
 
 
@@ -60,17 +60,20 @@ def _close_bf16(a, b):
 
 
 # (tokens, streams, hidden): a decode batch, a prefill tile boundary, a hidden size that is no
-# multiple of the tile, and a stream count that is not a power of two.
+# multiple of the tile, and a stream count that is not a power of two. Decode batches run both
+# paths: one launch per block (fused, the default) and the two-launch pair (split).
 SHAPES = [(3, 4, 64), (129, 4, 40), (5, 4, 200), (4, 3, 64)]
+CASES = [(*shape, decode) for shape in SHAPES for decode in ("fused", "split")
+         if shape[0] <= 64 or decode == "split"]
 
 
 @interpreted
-@pytest.mark.parametrize("t,n,h", SHAPES)
+@pytest.mark.parametrize("t,n,h,decode", CASES)
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_mhc_pre_matches_reference(t, n, h, with_norm):
+def test_mhc_pre_matches_reference(t, n, h, with_norm, decode):
     residual, _, fn, scale, base, _, _, weight = _inputs(t, n, h, seed=t * 31 + h)
     norm = dict(norm_weight=weight, norm_eps=1e-5) if with_norm else {}
-    post, comb, lin = mhc.mhc_pre(residual, fn, scale, base, **GATES, **norm)
+    post, comb, lin = mhc.mhc_pre(residual, fn, scale, base, **GATES, **norm, decode=decode)
     post_r, comb_r, lin_r = mhc.mhc_pre_ref(residual, fn, scale, base, **GATES, **norm)
     assert post.shape == (t, n, 1) and comb.shape == (t, n, n) and lin.shape == (t, h)
     torch.testing.assert_close(post, post_r, rtol=1e-5, atol=1e-5)
@@ -81,11 +84,11 @@ def test_mhc_pre_matches_reference(t, n, h, with_norm):
 
 
 @interpreted
-@pytest.mark.parametrize("t,n,h", SHAPES)
-def test_mhc_fused_post_pre_matches_reference(t, n, h):
+@pytest.mark.parametrize("t,n,h,decode", CASES)
+def test_mhc_fused_post_pre_matches_reference(t, n, h, decode):
     residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(t, n, h, seed=7 * t + h)
     args = (x, residual, post_in, comb_in, fn, scale, base)
-    got = mhc.mhc_fused_post_pre(*args, **GATES, norm_weight=weight, norm_eps=1e-5)
+    got = mhc.mhc_fused_post_pre(*args, **GATES, norm_weight=weight, norm_eps=1e-5, decode=decode)
     _close_bf16(got[0], mhc.mhc_post_ref(x, residual, post_in, comb_in))
     # The pre block reads the bf16 residual_cur the post block stored, as the unfused pair does.
     ref = mhc.mhc_pre_ref(got[0], fn, scale, base, **GATES, norm_weight=weight, norm_eps=1e-5)
@@ -138,3 +141,6 @@ def test_rejects_wrong_shapes():
     with pytest.raises(ValueError, match="fn must be"):
         mod.mhc_pre(torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(24, 31),
                     torch.ones(3), torch.zeros(24), **GATES)
+    with pytest.raises(ValueError, match="decode='fast' is not one of fused, split"):
+        mod.mhc_pre(torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(24, 32),
+                    torch.ones(3), torch.zeros(24), **GATES, decode="fast")

@@ -33,6 +33,7 @@ def test_every_shipped_config_fits_sm89():
     assert names >= {"sparse_mla", "sparse_mla_heads_n", "sparse_mla_combine", "mla_cache_write",
                      "indexer_logits_paged", "indexer_logits_ragged", "kpool_topk",
                      "kpool_topk_slices", "kpool_topk_threshold", "mhc_mix_partials", "mhc_mix_finalize",
+                     "mhc_block",
                      "fp8_block_linear", "fp8_block_linear_reduce"}
     # Every cache layout's attention and cache-write kernels are among them.
     kernels = {row["kernel"] for row in rows}

@@ -13,7 +13,8 @@ Two defects of vLLM 0.30 are covered here:
   - vLLM CPU's fused mHC kernels (`hc_pre_fused_cpu`, `hc_post_fused_cpu`) exist only in its
     AVX-512 build (`_C_AVX512`); on other x86 hosts (AVX2) every mHC op takes vLLM's torch path.
 
-Which path runs is `policy.decide_mhc_path` (switch GLMCTL_MHC=auto|tilelang|triton|torch).
+Which path runs is `policy.decide_mhc_path` (switch GLMCTL_MHC=auto|tilelang|triton|torch); on the
+Triton path GLMCTL_MHC_DECODE=fused|split picks one launch per decode block or the two-launch pair.
 glmctl's kernels are registered as torch ops (`torch.ops.glmctl.*`, with shape-only fake
 implementations), so torch.compile treats them as opaque calls and CUDA graphs capture them.
 """
@@ -31,6 +32,7 @@ def install(target: Target) -> str:
     path, why = _decide(target)
     if path is MhcPath.TRITON:
         _register_triton_ops()
+        why += f"; decode {switches.read('GLMCTL_MHC_DECODE')}"
     for stock, ours in _op_classes(vllm_mhc, path).items():
         if stock.__name__ not in op_registry_oot:
             stock.register_oot(ours)

@@ -2,6 +2,8 @@
 ops, so torch.compile sees opaque calls (shape-only fake implementations) and CUDA graphs
 capture the launches. Inputs are flat ([T, n, H] residuals, [T, H] layer outputs); ``outer``
 restores the caller's leading shape on the outputs. Imported only where the Triton path runs.
+Decode batches take the kernels' one-launch path unless GLMCTL_MHC_DECODE=split (read once, when
+the ops are registered).
 """
 
 # No `from __future__ import annotations`: torch infers the op schemas from these annotations.
@@ -11,6 +13,7 @@ from torch import Tensor
 from glmctl.kernels import mhc_pre_post as k
 
 _lib = None  # the library fragment owning the ops; they live as long as it does
+_decode = k.DEFAULT_DECODE  # GLMCTL_MHC_DECODE, set by register()
 
 
 def mhc_pre(residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float,
@@ -19,7 +22,7 @@ def mhc_pre(residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms
             outer: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     post, comb, lin = k.mhc_pre(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
                                 hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat,
-                                norm_weight, norm_eps)
+                                norm_weight, norm_eps, decode=_decode)
     return _unflatten(outer, post, comb, lin)
 
 
@@ -38,7 +41,8 @@ def mhc_fused_post_pre(x: Tensor, residual: Tensor, post_layer_mix: Tensor,
                        outer: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     cur, post, comb, lin = k.mhc_fused_post_pre(
         x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
-        hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_weight, norm_eps)
+        hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_weight, norm_eps,
+        decode=_decode)
     return (cur.view(*outer, *cur.shape[1:]), *_unflatten(outer, post, comb, lin))
 
 
@@ -81,9 +85,12 @@ OPS = (("mhc_pre", mhc_pre, mhc_pre_fake),
 
 def register(dispatch_key: str = "CUDA") -> None:
     """Define the ops once per process."""
-    global _lib
+    global _lib, _decode
     if _lib is not None:
         return
+    from glmctl import switches
+
+    _decode = switches.read("GLMCTL_MHC_DECODE")
     from torch.library import Library
     from vllm.utils.torch_utils import direct_register_custom_op
 
