@@ -146,7 +146,7 @@ SWITCHES: tuple[Switch, ...] = (
        shown_default="auto (tilelang on sm_90+ where importable, else triton; torch on CPU)"),
     Switch("GLMCTL_MHC_DECODE", "choice", PLUGIN,
        "glmctl's Triton mHC at decode sizes: one launch per block (fused) or the partials + finalize pair (split)",
-       default="fused", choices=("fused", "split")),
+       default="auto", choices=("auto", "fused", "split"), shown_default="auto (split)"),
     Switch("GLMCTL_DFLASH2_KV", "choice", PLUGIN,
        "where the DFlash2 drafter's K/V pages go in the KV pool (auto: more KV tokens, alias on a tie)",
        default="auto", choices=("auto", "alias", "append")),

@@ -2,8 +2,9 @@
 ops, so torch.compile sees opaque calls (shape-only fake implementations) and CUDA graphs
 capture the launches. Inputs are flat ([T, n, H] residuals, [T, H] layer outputs); ``outer``
 restores the caller's leading shape on the outputs. Imported only where the Triton path runs.
-Decode batches take the kernels' one-launch path unless GLMCTL_MHC_DECODE=split (read once, when
-the ops are registered).
+Decode batches take the kernels' partials + finalize pair, or with GLMCTL_MHC_DECODE=fused their
+one-launch path (read once, when the ops are registered; auto is the pair until the one-launch
+path has passed the GPU lane).
 """
 
 # No `from __future__ import annotations`: torch infers the op schemas from these annotations.
@@ -90,7 +91,8 @@ def register(dispatch_key: str = "CUDA") -> None:
         return
     from glmctl import switches
 
-    _decode = switches.read("GLMCTL_MHC_DECODE")
+    value = switches.read("GLMCTL_MHC_DECODE")
+    _decode = "split" if value == "auto" else value
     from torch.library import Library
     from vllm.utils.torch_utils import direct_register_custom_op
 
