@@ -17,14 +17,17 @@ Launches (grids depend on T only: CUDA-graph safe, no host sync, no allocation):
      (out-of-range values counted), * suh_p[e], 128-wide Hadamard -> xrot[s, p] (k' order) and
      its sum xsum[s, p].
   2. gate/up   grid (max_runs, 2 * I / 128, SPLIT_K): one run x 128 columns of one projection
-     over one K split -> fp32 partials part[split, s, p]. The last of the 2 * SPLIT_K programs
-     of a (run, column block) to arrive (self-resetting counter) sums the splits in order and
-     finishes the block: Hadamard * svh, SwiGLU with GLM's clamp, * down suh, Hadamard ->
-     act[s] (fp16, k' order of the down trellis) and its 128-column sums dsum[s, block].
-  3. down      grid (max_runs, H / BLOCK_N2, DOWN_SPLIT): one run x BLOCK_N2 output columns over
+     over one K split -> fp32 partials part[split, s, p] (the affine epilogue applied, the
+     activation sum once, in split 0).
+  3. finish    grid (max_runs, I / 128): a run's 128-column block from its partials summed in
+     split order: Hadamard * svh, SwiGLU with GLM's clamp, * down suh, Hadamard -> act[s]
+     (fp16, k' order of the down trellis) and its 128-column sums dsum[s, block].
+  4. down      grid (max_runs, H / BLOCK_N2, DOWN_SPLIT): one run x BLOCK_N2 output columns over
      one K split -> y[split, s] (fp32, before the output rotation).
-  4. combine   grid (T, H / (128 NBLK)): per token, NBLK 128-column blocks of each pick's y
-     (splits summed in order): Hadamard, * svh * routing weight, picks summed in pick order.
+  5. combine   grid (T, H / (128 NBLK)): per token, NBLK 128-column blocks of each pick's y
+     (splits summed in order): Hadamard, * svh * routing weight, picks summed in a fixed order.
+The weight kernels (2, 4) hold nothing but the decode-and-multiply loop, so their registers
+(and so the warps an SM keeps in flight) are the loop's.
 Hadamard products run on 64-halves (H128 = [[H64, H64], [H64, -H64]]) as dots with +-1 entries,
 the 1/sqrt(128) applied in fp32: fp16 operands where exllamav3 keeps fp16 scratch (rotated
 inputs, gate/up, activations), tf32x3 for the output, which exllamav3 keeps in fp32.
@@ -109,10 +112,11 @@ def _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS: tl.constexpr
 
 @triton.jit
 def _run_gemv(base, a_ptrs, valid, ROW_WORDS: tl.constexpr, KB: tl.constexpr, BKT: tl.constexpr,
-              ROWS: tl.constexpr, FAST: tl.constexpr):
-    """Raw products of a run's activations (a_ptrs: [ROWS, BKT*16] fp16 in k' order, advancing by
+              ROWS: tl.constexpr, AFFINE: tl.constexpr, FAST: tl.constexpr):
+    """Products of a run's activations (a_ptrs: [ROWS, BKT*16] fp16 in k' order, advancing by
     BKT*16 per step) with KB steps of BKT tile rows x 8 tile columns of a trellis at `base`
-    (int32 words): the two column-half accumulators [ROWS, 64] (rows n'' of the halves)."""
+    (int32 words): the two column-half accumulators [ROWS, 64] (rows n'' of the halves), raw
+    (the MoE kernels) or of the fp16 codebook values with AFFINE (the decode-rate bench)."""
     woff, poff = block_offsets(ROW_WORDS, BKT)
     acc0 = tl.zeros((ROWS, 64), dtype=tl.float32)
     acc1 = tl.zeros((ROWS, 64), dtype=tl.float32)
@@ -121,16 +125,15 @@ def _run_gemv(base, a_ptrs, valid, ROW_WORDS: tl.constexpr, KB: tl.constexpr, BK
         w = tl.load(base + koff + woff).to(tl.uint32, bitcast=True)
         p = tl.load(base + koff + poff).to(tl.uint32, bitcast=True)
         at = tl.load(a_ptrs + kb * (BKT * 16), mask=valid[:, None], other=0.0)
-        h0, h1 = decode_block(w, p, BKT, False, FAST)
+        h0, h1 = decode_block(w, p, BKT, AFFINE, FAST)
         acc0 = tl.dot(at, tl.trans(h0), acc0)
         acc1 = tl.dot(at, tl.trans(h1), acc1)
     return acc0, acc1
 
 
 @triton.jit
-def _gate_up_kernel(xrot_ptr, xsum_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr, gsvh_stride,
-                    usvh_ptr, usvh_stride, dsuh_ptr, dsuh_stride, order_ptr, run_e_ptr, run_s_ptr, run_n_ptr,
-                    meta_ptr, part_ptr, part_split_stride, ctr_ptr, act_ptr, dsum_ptr, act_limit,
+def _gate_up_kernel(xrot_ptr, xsum_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, order_ptr, run_e_ptr, run_s_ptr,
+                    run_n_ptr, meta_ptr, part_ptr, part_split_stride,
                     H: tl.constexpr, INTER: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
                     BLOCK_K: tl.constexpr, FAST: tl.constexpr):
     r = tl.program_id(0)
@@ -148,39 +151,37 @@ def _gate_up_kernel(xrot_ptr, xsum_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride
         base = utr_ptr + e * utr_stride
     base += nb * 256 + ks * (KB * BKT * (INTER // 16) * 32)
     a_ptrs = xrot_ptr + slot[:, None] * (2 * H) + p * H + ks * (KB * BLOCK_K) + tl.arange(0, BLOCK_K)[None, :]
-    acc0, acc1 = _run_gemv(base, a_ptrs, valid, (INTER // 16) * 32, KB, BKT, ROWS, FAST)
+    acc0, acc1 = _run_gemv(base, a_ptrs, valid, (INTER // 16) * 32, KB, BKT, ROWS, False, FAST)
     xs = tl.where(ks == 0, tl.load(xsum_ptr + slot * 2 + p, mask=valid, other=0.0), 0.0)
     half_row = tl.arange(0, 64)
     pbase = part_ptr + ks * part_split_stride + slot[:, None] * (2 * INTER) + p * INTER + nb * 128
     tl.store(pbase + _n_of_half_row(half_row, 0)[None, :], affine_epilogue(acc0, xs), mask=valid[:, None])
     tl.store(pbase + _n_of_half_row(half_row, 1)[None, :], affine_epilogue(acc1, xs), mask=valid[:, None])
-    tl.debug_barrier()
-    counter = ctr_ptr + r * (INTER // 128) + nb
-    if tl.atomic_add(counter, 1, sem="acq_rel") != 2 * SPLIT_K - 1:
-        return  # only the last of the block's gate and up splits goes on
-    tl.atomic_xchg(counter, 0)  # ready for the next call
-    _finish_block(part_ptr, part_split_stride, slot, valid, e, nb, gsvh_ptr, gsvh_stride, usvh_ptr, usvh_stride,
-                  dsuh_ptr, dsuh_stride, act_ptr, dsum_ptr, act_limit, INTER, ROWS, SPLIT_K)
 
 
 @triton.jit
-def _finish_block(part_ptr, part_split_stride, slot, valid, e, nb, gsvh_ptr, gsvh_stride, usvh_ptr, usvh_stride,
-                  dsuh_ptr, dsuh_stride, act_ptr, dsum_ptr, act_limit, INTER: tl.constexpr, ROWS: tl.constexpr,
-                  SPLIT_K: tl.constexpr):
+def _finish_kernel(part_ptr, part_split_stride, gsvh_ptr, gsvh_stride, usvh_ptr, usvh_stride, dsuh_ptr, dsuh_stride,
+                   order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr, act_ptr, dsum_ptr, act_limit,
+                   INTER: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
     """One 128-column block of a run, from the summed partials to the down input, as 64-halves
     (H128 [g0; g1] = [H64 (g0 + g1); H64 (g0 - g1)]) in fp16 operands like exllamav3's fp16
     gate/up scratch; rows are slots, so every product is [ROWS, 64] x [64, 64] (H64 is symmetric)."""
+    r = tl.program_id(0)
+    nb = tl.program_id(1)
+    if r >= tl.load(meta_ptr):
+        return
+    e, slot, valid = _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS)
     i = tl.arange(0, 64)
     g0 = tl.zeros((ROWS, 64), dtype=tl.float32)
     g1 = tl.zeros((ROWS, 64), dtype=tl.float32)
     u0 = tl.zeros((ROWS, 64), dtype=tl.float32)
     u1 = tl.zeros((ROWS, 64), dtype=tl.float32)
-    for q in tl.static_range(SPLIT_K):
+    for q in range(SPLIT_K):  # in split order
         src = part_ptr + q * part_split_stride + slot[:, None] * (2 * INTER) + nb * 128 + i[None, :]
-        g0 += tl.load(src, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        g1 += tl.load(src + 64, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        u0 += tl.load(src + INTER, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        u1 += tl.load(src + INTER + 64, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        g0 += tl.load(src, mask=valid[:, None], other=0.0)
+        g1 += tl.load(src + 64, mask=valid[:, None], other=0.0)
+        u0 += tl.load(src + INTER, mask=valid[:, None], other=0.0)
+        u1 += tl.load(src + INTER + 64, mask=valid[:, None], other=0.0)
     had = _hadamard(i, i).to(tl.float16)
     col = nb * 128 + i
     gs = gsvh_ptr + e * gsvh_stride + col
@@ -234,16 +235,15 @@ def _down_kernel(act_ptr, dsum_ptr, dtr_ptr, dtr_stride, order_ptr, run_e_ptr, r
     for sub in tl.static_range(BLOCK_N2 // 128):
         col0 = nb * BLOCK_N2 + sub * 128
         base = dtr_ptr + e * dtr_stride + (col0 // 16) * 32 + ks * (KB * BKT * ROW_WORDS)
-        acc0, acc1 = _run_gemv(base, a_ptrs, valid, ROW_WORDS, KB, BKT, ROWS, FAST)
+        acc0, acc1 = _run_gemv(base, a_ptrs, valid, ROW_WORDS, KB, BKT, ROWS, False, FAST)
         dst = y_ptr + ks * y_split_stride + slot[:, None] * H + col0
         tl.store(dst + _n_of_half_row(half_row, 0)[None, :], affine_epilogue(acc0, ds), mask=valid[:, None])
         tl.store(dst + _n_of_half_row(half_row, 1)[None, :], affine_epilogue(acc1, ds), mask=valid[:, None])
 
 
 class DecodeWorkspace:
-    """Scratch of one (device, shape): run table, rotated inputs and their sums, partials,
-    activations and their sums, slot outputs, and the zeroed completion counters the gate/up
-    kernel leaves at zero."""
+    """Scratch of one (device, shape): run table, rotated inputs and their sums, split partials,
+    activations and their sums, slot outputs."""
 
     def __init__(self, device, hidden: int, intermediate: int, top_k: int, experts: int,
                  max_tokens: int = MAX_TOKENS) -> None:
@@ -253,7 +253,6 @@ class DecodeWorkspace:
         self.order = torch.zeros(s, **i32)
         self.run_e, self.run_s, self.run_n = (torch.zeros(self.runs, **i32) for _ in range(3))
         self.meta = torch.zeros(1, **i32)
-        self.counters = torch.zeros(self.runs * (intermediate // 128), **i32)
         self.xrot = torch.empty((s, 2, hidden), dtype=torch.float16, device=device)
         self.xsum = torch.empty((s, 2), **f32)
         # split partials: split_k * tokens <= 2 * max_tokens; slot outputs: down_split * tokens <=
@@ -305,14 +304,17 @@ def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float,
     (gtr, gst), (utr, ust), (dtr, dst) = _words(gate[0]), _words(up[0]), _words(down[0])
     runs = max_runs(slots, experts)
     prologue_launch(x, ids, gate[1], up[1], ws, clamped, top_k, experts, ROWS)
+    run_table = (ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta)
     _gate_up_kernel[(runs, 2 * (inter // 128), cfg.split_k)](
-        ws.xrot, ws.xsum, gtr, gst, utr, ust, gate[2], gate[2].stride(0), up[2], up[2].stride(0), down[1],
-        down[1].stride(0), ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, ws.part, slots * 2 * inter,
-        ws.counters, ws.act, ws.dsum, float(act_limit or 0.0),
+        ws.xrot, ws.xsum, gtr, gst, utr, ust, *run_table, ws.part, slots * 2 * inter,
         H=hidden, INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=fast,
         num_warps=cfg.warps, num_stages=cfg.stages)
+    _finish_kernel[(runs, inter // 128)](
+        ws.part, slots * 2 * inter, gate[2], gate[2].stride(0), up[2], up[2].stride(0), down[1], down[1].stride(0),
+        *run_table, ws.act, ws.dsum, float(act_limit or 0.0), INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k,
+        num_warps=4)
     _down_kernel[(runs, hidden // cfg.block_n2, cfg.down_split)](
-        ws.act, ws.dsum, dtr, dst, ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, ws.y, slots * hidden,
+        ws.act, ws.dsum, dtr, dst, *run_table, ws.y, slots * hidden,
         H=hidden, INTER=inter, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2, DOWN_SPLIT=cfg.down_split,
         FAST=fast, num_warps=cfg.warps, num_stages=cfg.stages)
     return combine_launch(x, ids, topk_weights, down[2], ws.y, slots * hidden, top_k, cfg.down_split)
@@ -320,15 +322,16 @@ def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float,
 
 # -- reference ---------------------------------------------------------------------------------------
 def dequantize_ref(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """fp32 (in, out) weight W = diag(suh) Had T Had diag(svh), T from `decode_trellis_ref`."""
-    t = decode_trellis_ref(trellis.cpu(), bits).float()
+    """fp32 (in, out) weight W = diag(suh) Had T Had diag(svh), T from `decode_trellis_ref`, on the
+    trellis's device."""
+    t = decode_trellis_ref(trellis, bits).float()
     k, n = t.shape
-    h = torch.ones((1, 1))
+    h = torch.ones((1, 1), device=t.device)
     while h.shape[0] < 128:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(128)
-    w = (h @ t.view(k // 128, 128, n)).reshape(k, n) * suh.cpu().float().unsqueeze(1)
-    return (w.view(k, n // 128, 128) @ h).reshape(k, n) * svh.cpu().float().unsqueeze(0)
+    w = (h @ t.view(k // 128, 128, n)).reshape(k, n) * suh.float().unsqueeze(1)
+    return (w.view(k, n // 128, 128) @ h).reshape(k, n) * svh.float().unsqueeze(0)
 
 
 def exl3_moe_decode_ref(x, topk_ids, topk_weights, gate, up, down, act_limit: float) -> torch.Tensor:
@@ -339,7 +342,7 @@ def exl3_moe_decode_ref(x, topk_ids, topk_weights, gate, up, down, act_limit: fl
     ids, w = topk_ids.cpu().long(), topk_weights.cpu().float()
     for e in ids.unique().tolist():
         tok, pick = (ids == e).nonzero(as_tuple=True)
-        wg, wu, wd = (dequantize_ref(p[0][e], p[1][e], p[2][e]) for p in (gate, up, down))
+        wg, wu, wd = (dequantize_ref(p[0][e].cpu(), p[1][e].cpu(), p[2][e].cpu()) for p in (gate, up, down))
         g, u = xf[tok] @ wg, xf[tok] @ wu
         if act_limit:
             g, u = g.clamp(max=act_limit), u.clamp(-act_limit, act_limit)
@@ -356,13 +359,17 @@ def shipped_configs(hidden: int = 4096, intermediate: int = 256, top_k: int = 8,
     i64, f32 = "i64", "fp32"
     runs = dict(order_ptr="*i32", run_e_ptr="*i32", run_s_ptr="*i32", run_n_ptr="*i32", meta_ptr="*i32")
     yield from rotate_configs(hidden, top_k, experts, target_tokens, ROWS)
+    for split in sorted({c.split_k for c in DECODE_CONFIGS.values()}):
+        yield (f"exl3_decode_finish[split{split}]", _finish_kernel,
+               dict(part_ptr="*fp32", part_split_stride=i64, gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16",
+                    usvh_stride=i64, dsuh_ptr="*fp16", dsuh_stride=i64, act_ptr="*fp16", dsum_ptr="*fp32",
+                    act_limit=f32, **runs),
+               dict(INTER=intermediate, ROWS=ROWS, SPLIT_K=split), dict(num_warps=4, num_stages=1))
     for cfg in DECODE_CONFIGS.values():
         options = dict(num_warps=cfg.warps, num_stages=cfg.stages)
         yield (f"exl3_decode_gate_up[{cfg.name}]", _gate_up_kernel,
                dict(xrot_ptr="*fp16", xsum_ptr="*fp32", gtr_ptr="*i32", gtr_stride=i64, utr_ptr="*i32",
-                    utr_stride=i64, gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16", usvh_stride=i64,
-                    dsuh_ptr="*fp16", dsuh_stride=i64, part_ptr="*fp32", part_split_stride=i64, ctr_ptr="*i32",
-                    act_ptr="*fp16", dsum_ptr="*fp32", act_limit=f32, **runs),
+                    utr_stride=i64, part_ptr="*fp32", part_split_stride=i64, **runs),
                dict(H=hidden, INTER=intermediate, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=True),
                options)
         yield (f"exl3_decode_down[{cfg.name}]", _down_kernel,

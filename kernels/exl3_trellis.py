@@ -85,36 +85,41 @@ def tensor_core_position(p: int) -> tuple[int, int]:
     return r0 + (q & 1) + 8 * ((q >> 1) & 1), c0 + 8 * (q >> 2)
 
 
-def mul1_values(states):
-    """fp16 codebook values of 16-bit states (torch int64 tensor)."""
+def mul1_values(states, raw: bool = False):
+    """fp16 codebook values of 16-bit states (torch int64 tensor); raw: the integers r instead."""
     import torch
 
     x = (states.to(torch.int64) * MUL1) & 0xFFFFFFFF
     s = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + ((x >> 24) & 255)
+    if raw:
+        return (1024 + s).to(torch.float16)
     return ((1024 + s).double() * K_INV + K_BIAS).to(torch.float16)
 
 
-def decode_trellis_ref(trellis, bits: int):
+def decode_trellis_ref(trellis, bits: int, raw: bool = False):
     """The [in, out] fp16 matrix T of a stored projection, straight from the format definition
-    (the `reconstruct` of exllamav3, before the Hadamard rotations and channel scales)."""
+    (the `reconstruct` of exllamav3, before the Hadamard rotations and channel scales), on the
+    trellis's device; raw: the integers r (module docstring) instead of the values."""
     import torch
 
     kt, nt, words16 = trellis.shape
     if words16 != 16 * bits:
         raise ValueError(f"trellis last dim {words16} != 16 * {bits} bits")
+    dev = trellis.device
     u16 = trellis.to(torch.int64) & 0xFFFF
     # stream order of the 16-bit halves: high half of each uint32 first
     stream16 = u16.view(kt, nt, 8 * bits, 2).flip(-1).reshape(kt, nt, 16 * bits)
-    bit = (stream16.unsqueeze(-1) >> torch.arange(15, -1, -1)) & 1  # MSB first
+    msb_first = torch.arange(15, -1, -1, device=dev)
+    bit = (stream16.unsqueeze(-1) >> msb_first) & 1
     stream = bit.reshape(kt, nt, 256 * bits)
     length = 256 * bits
-    p = torch.arange(256)
-    window = ((p.unsqueeze(1) + 1) * bits - 16 + torch.arange(16).unsqueeze(0)) % length  # [256, 16]
-    states = (stream[:, :, window] << torch.arange(15, -1, -1)).sum(-1)  # [kt, nt, 256]
-    values = mul1_values(states)
+    p = torch.arange(256, device=dev)
+    window = ((p.unsqueeze(1) + 1) * bits - 16 + torch.arange(16, device=dev).unsqueeze(0)) % length  # [256, 16]
+    states = (stream[:, :, window] << msb_first).sum(-1)  # [kt, nt, 256]
+    values = mul1_values(states, raw)
     rows, cols = zip(*(tensor_core_position(q) for q in range(256)), strict=True)
-    tile = torch.empty((kt, nt, 16, 16), dtype=torch.float16)
-    tile[:, :, torch.tensor(rows), torch.tensor(cols)] = values
+    tile = torch.empty((kt, nt, 16, 16), dtype=torch.float16, device=dev)
+    tile[:, :, torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = values
     return tile.permute(0, 2, 1, 3).reshape(kt * 16, nt * 16)
 
 
@@ -232,3 +237,45 @@ def decode_block(w, prev0, BKT: tl.constexpr, AFFINE: tl.constexpr, FAST: tl.con
 def affine_epilogue(acc, asum):
     """sum_k a_k v_k from the raw product acc [R, N] = sum_k a_k r_k and asum [R] = sum_k a_k."""
     return acc * _K_INV + _K_BIAS * asum[:, None]
+
+
+@triton.jit
+def _decode_blocks_kernel(tr_ptr, out_ptr, ROW_WORDS: tl.constexpr, BKT: tl.constexpr, AFFINE: tl.constexpr,
+                          FAST: tl.constexpr):
+    base = tr_ptr + tl.program_id(0) * (BKT * ROW_WORDS) + tl.program_id(1) * 256
+    woff, poff = block_offsets(ROW_WORDS, BKT)
+    w = tl.load(base + woff).to(tl.uint32, bitcast=True)
+    p = tl.load(base + poff).to(tl.uint32, bitcast=True)
+    h0, h1 = decode_block(w, p, BKT, AFFINE, FAST)
+    rows = tl.arange(0, 64)[:, None] * (BKT * 16) + tl.arange(0, BKT * 16)[None, :]
+    dst = out_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (2 * 64 * BKT * 16)
+    tl.store(dst + rows, h0)
+    tl.store(dst + 64 * BKT * 16 + rows, h1)
+
+
+def decode_blocks(trellis, bkt: int, affine: bool):
+    """Every block operand of a 4-bit trellis [KT, NT, 64] (int16; KT % bkt == 0, NT % 8 == 0),
+    as `decode_block` makes it: [KT/bkt, NT/8, 2 (column half), 64 (n''), bkt*16 (k')] fp16, raw
+    integers or (affine) the codebook values. The tests' window on the decode."""
+    import torch
+
+    from .triton_env import interpreting
+
+    kt, nt, _ = trellis.shape
+    out = torch.empty((kt // bkt, nt // 8, 2, 64, bkt * 16), dtype=torch.float16, device=trellis.device)
+    _decode_blocks_kernel[(kt // bkt, nt // 8)](trellis.contiguous().view(torch.int32), out, ROW_WORDS=nt * 32,
+                                                BKT=bkt, AFFINE=affine, FAST=trellis.is_cuda and not interpreting())
+    return out
+
+
+def decode_blocks_ref(trellis, bkt: int, affine: bool):
+    """`decode_blocks` from the format definition (`decode_trellis_ref`) and the layout maps."""
+    import torch
+
+    kt, nt, _ = trellis.shape
+    dev = trellis.device
+    t = decode_trellis_ref(trellis, 4, raw=not affine).view(kt // bkt, bkt * 16, nt * 16)
+    t = t[:, k_of_kprime(torch.arange(bkt * 16, device=dev))]
+    row = torch.arange(64, device=dev)
+    cols = torch.stack([torch.stack([j * 128 + n_of_half_row(row, h) for h in (0, 1)]) for j in range(nt // 8)])
+    return t[:, :, cols].permute(0, 2, 3, 4, 1)  # [KT/bkt, k', NT/8, 2, 64] -> [.., 2, 64, k']

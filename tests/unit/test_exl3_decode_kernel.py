@@ -6,9 +6,10 @@ halves of each uint32 swapped); the Triton block decode (TRITON_INTERPRET=1: the
 form; tests/unit/test_exl3_decode_asm.py checks the inline-PTX form) against the reference on
 random words, as raw integers and as fp16 values; the whole MoE kernel pipeline against the
 reference layer at tiny shapes, including runs cut from a heavy expert, gate/up and down K
-splits, completion counters that must reset between calls, and the fp16 range count. Every kernel run here is bounds-checked (tests/unit/triton_bounds): each load, store
-and atomic of every active lane must land inside the tensors the launch was given, which the
-plain interpreter does not check (it reads whatever lies at the address)."""
+splits, repeated calls on one workspace, and the fp16 range count. Every kernel run here is
+bounds-checked (tests/unit/triton_bounds): each load, store and atomic of every active lane must
+land inside the tensors the launch was given, which the plain interpreter does not check (it
+reads whatever lies at the address)."""
 
 from __future__ import annotations
 
@@ -94,44 +95,30 @@ def test_codebook_values_are_exllamav3s_fp16_hfma():
     assert trellis_mod.mul1_values(torch.tensor([0])).item() == pytest.approx(-3.453125)
 
 
-if _modules is not None:
-    import os
-
-    import triton
-    import triton.language as tl
-
-    def _decode_block_kernel(tr_ptr, out_ptr, ROW_WORDS: tl.constexpr, BKT: tl.constexpr, AFFINE: tl.constexpr):
-        woff, poff = trellis_mod.block_offsets(ROW_WORDS, BKT)
-        w = tl.load(tr_ptr + woff).to(tl.uint32, bitcast=True)
-        p = tl.load(tr_ptr + poff).to(tl.uint32, bitcast=True)
-        h0, h1 = trellis_mod.decode_block(w, p, BKT, AFFINE, False)
-        rows = tl.arange(0, 64)[:, None] * (BKT * 16) + tl.arange(0, BKT * 16)[None, :]
-        tl.store(out_ptr + rows, h0)
-        tl.store(out_ptr + 64 * BKT * 16 + rows, h1)
-
-    os.environ["TRITON_INTERPRET"] = "1"  # chosen when the decorator runs; unset again below
-    _decode_block_kernel = triton.jit(_decode_block_kernel)
-    del os.environ["TRITON_INTERPRET"]
-
-
 @interpreted
 @pytest.mark.parametrize("bkt", [2, 4])
 def test_triton_block_decode_matches_the_reference(bkt):
-    """Both forms of the block decode: exllamav3's fp16 values, and the raw integers r whose
-    affine map (rounded once) gives them; both in the documented operand layout."""
+    """Both forms of the block decode, exllamav3's fp16 values and the raw integers r, in the
+    documented operand layout; and r's affine map, rounded once, gives the values."""
     g = torch.Generator().manual_seed(bkt)
-    trellis = torch.randint(-2**15, 2**15, (bkt, 8, 64), dtype=torch.int16, generator=g)
-    ref = trellis_mod.decode_trellis_ref(trellis, 4)
-    k = trellis_mod.k_of_kprime(torch.arange(bkt * 16))
-    for affine in (True, False):
-        out = torch.full((2, 64, bkt * 16), float("nan"), dtype=torch.float16)
-        _decode_block_kernel[(1,)](trellis.view(torch.int32), out, ROW_WORDS=8 * 32, BKT=bkt, AFFINE=affine)
-        if not affine:
-            assert torch.equal(out, out.round()) and out.min() >= 1024 and out.max() <= 2044
-            out = (out.float() * trellis_mod.K_INV + trellis_mod.K_BIAS).half()
-        for half in (0, 1):
-            n = trellis_mod.n_of_half_row(torch.arange(64), half)
-            assert torch.equal(out[half], ref[k][:, n].t()), (affine, half)
+    trellis = torch.randint(-2**15, 2**15, (2 * bkt, 16, 64), dtype=torch.int16, generator=g)
+    values = trellis_mod.decode_blocks(trellis, bkt, affine=True)
+    raw = trellis_mod.decode_blocks(trellis, bkt, affine=False)
+    assert torch.equal(values, trellis_mod.decode_blocks_ref(trellis, bkt, affine=True))
+    assert torch.equal(raw, trellis_mod.decode_blocks_ref(trellis, bkt, affine=False))
+    assert torch.equal(raw, raw.round()) and raw.min() >= 1024 and raw.max() <= 2044
+    assert torch.equal((raw.float() * trellis_mod.K_INV + trellis_mod.K_BIAS).half(), values)
+
+
+@interpreted
+def test_block_reference_places_every_weight_once():
+    """The reference operands hold each decoded weight of the matrix exactly once."""
+    trellis = torch.randint(-2**15, 2**15, (4, 8, 64), dtype=torch.int16, generator=torch.Generator().manual_seed(1))
+    blocks = trellis_mod.decode_blocks_ref(trellis, 2, affine=True)
+    full = trellis_mod.decode_trellis_ref(trellis, 4)
+    assert blocks.numel() == full.numel()
+    assert torch.equal(blocks.float().sum(), full.float().sum()) and torch.equal(
+        blocks.flatten().sort().values, full.flatten().sort().values)
 
 
 @interpreted
@@ -182,12 +169,11 @@ def test_moe_decode_matches_the_reference_layer(tokens, config, heavy):
     ws = moe_mod.DecodeWorkspace("cpu", hidden, inter, top_k, experts, max_tokens=32)
     clamped = torch.zeros((), dtype=torch.int64)
     ref = moe_mod.exl3_moe_decode_ref(x, ids, w, gate, up, down, 10.0)
-    for call in range(2):  # the completion counters must be back at zero
+    for call in range(2):  # nothing carries over from one call to the next
         y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws, _config(config))
         assert y.dtype == torch.bfloat16 and y.shape == x.shape
         err = float((y.float() - ref).norm() / ref.norm())
         assert err < 1e-2, (call, err)
-        assert int(ws.counters.abs().sum()) == 0
     if heavy:
         assert int(ws.meta[0]) > len(ids.unique())  # expert 0's 17 slots took two runs
     assert int(clamped) == 0
@@ -259,13 +245,14 @@ def test_moe_decode_at_the_tp8_slice_shape_stays_inside_its_buffers():
     y = moe_mod.exl3_moe_decode(x, ids, w, gate, up, down, 10.0, clamped, ws)
     ref = moe_mod.exl3_moe_decode_ref(x, ids, w, gate, up, down, 10.0)
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
-    assert int(ws.counters.abs().sum()) == 0
 
 
 @interpreted
 def test_bounds_checker_catches_an_access_past_a_view():
     """The checker itself: one element past a view of a larger storage is caught (the plain
     interpreter would read the storage's next element)."""
+    import triton
+    import triton.language as tl
     from triton.runtime.interpreter import InterpreterError
 
     @triton.jit
@@ -284,7 +271,7 @@ def test_bounds_checker_catches_an_access_past_a_view():
 def test_moe_decode_at_the_bench_routing_stays_inside_its_buffers():
     """The bench's routing (288 experts, top-8) at a small hidden size, bounds-checked: 9 tokens
     (72 slots, not a multiple of the 16-slot runs), the last expert in every token's top-8 (its
-    9 slots in one run at the end of the table), experts with no tokens, split4's counters."""
+    9 slots in one run at the end of the table), experts with no tokens, split4's partials."""
     experts, hidden, inter, top_k, tokens = 288, 256, 128, 8, 9
     gate, up, down = _layer(experts, hidden, inter, seed=31)
     g = torch.Generator().manual_seed(32)
@@ -300,4 +287,3 @@ def test_moe_decode_at_the_bench_routing_stays_inside_its_buffers():
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
     assert int(ws.meta[0]) == len(ids.unique())  # one run per touched expert at 9 tokens
     assert int(ws.run_e[int(ws.meta[0]) - 1]) == experts - 1 and int(ws.run_n[int(ws.meta[0]) - 1]) == tokens
-    assert int(ws.counters.abs().sum()) == 0
