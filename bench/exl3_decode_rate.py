@@ -43,11 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 
-EXPERTS, TOP_K, HIDDEN, INTER = 288, 8, 4096, 256
-LAYERS_PER_STEP = 45  # MoE layer calls per target step at MTP-3 (42 sparse layers + 3 MTP passes)
-STEP_TOKENS = {"8x22k": 32, "1x64k": 4}  # tokens per target step (sequences x (1 + 3 drafts))
-BYTES_PER_EXPERT = 1_598_976  # trellis + suh/svh of gate, up, down on one TP8 rank
-WEIGHTS_PER_EXPERT = 3 * HIDDEN * INTER
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from exl3_floor import HIDDEN, INTER, isa_prediction, model  # noqa: E402
+
 GRID_EXPERTS, DRAM_EXPERTS, L2_EXPERTS = 1024, 1024, 16
 STREAM_CONFIGS = (  # (name, mode, block_k, warps, stages, split): x<split> programs per expert column block
     ("raw_k64_w4_s1_x4", "raw", 64, 4, 1, 4), ("raw_k64_w4_s2_x4", "raw", 64, 4, 2, 4),
@@ -55,44 +54,55 @@ STREAM_CONFIGS = (  # (name, mode, block_k, warps, stages, split): x<split> prog
     ("affine_k64_w4_s1_x4", "affine", 64, 4, 1, 4), ("load_k64_w4_s1_x4", "load", 64, 4, 1, 4),
 )
 ISA_CONFIGS = ("raw_k64_w4_s1_x4", "raw_k128_w4_s1_x4", "affine_k64_w4_s1_x4")
-L40 = {"name": "L40 (predicted)", "sms": 142, "clock_hz": 2.49e9, "dram_bytes_per_s": 864e9}
 CLOCKS_HZ = {"H200": 1.98e9, "H100": 1.98e9, "L40": 2.49e9}  # max SM clocks (spec)
 FMA_HEAVY = {"IMAD", "IDP", "IMUL"}
 ALU = {"SHF", "LOP3", "PRMT", "SGXT", "IADD3", "ISETP", "SEL", "LEA", "BMSK", "PLOP3", "MOV"}
 
 
+tl = _run_gemv = block_offsets = None  # triton.language and the kernels' helpers, bound by _kernel()
+
+
+def _stream(tr_ptr, a_ptr, out_ptr, e_stride, e_phys, MODE: tl.constexpr, AFFINE: tl.constexpr,
+            K: tl.constexpr, ROW_WORDS: tl.constexpr, KB: tl.constexpr, BKT: tl.constexpr, FAST: tl.constexpr):
+    """One program: 128 columns x K / split rows of one expert (program 0 modulo e_phys)."""
+    e = tl.program_id(0) % e_phys
+    base = tr_ptr + e * e_stride + tl.program_id(1) * 256 + tl.program_id(2) * (KB * BKT * ROW_WORDS)
+    if MODE == 0:  # the words alone
+        woff, poff = block_offsets(ROW_WORDS, BKT)
+        acc = tl.zeros([8, 8, BKT, 4], dtype=tl.int32)
+        for kb in range(KB):
+            koff = kb * (BKT * ROW_WORDS)
+            acc ^= tl.load(base + koff + woff) + tl.load(base + koff + poff)[:, :, :, None]
+        total = tl.sum(tl.sum(tl.sum(tl.sum(acc, 3), 2), 1), 0).to(tl.float32)
+    else:
+        rows = tl.arange(0, 16)
+        a_ptrs = a_ptr + rows[:, None] * K + tl.program_id(2) * (KB * BKT * 16) + tl.arange(0, BKT * 16)[None, :]
+        acc0, acc1 = _run_gemv(base, a_ptrs, rows < 16, ROW_WORDS, KB, BKT, 16, AFFINE, FAST)
+        total = tl.sum(tl.sum(acc0 + acc1, 1), 0)
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    tl.store(out_ptr + pid, total)
+
+
+_jitted: list = []
+
+
 def _kernel():
-    import triton
-    import triton.language as tl
+    """`_stream` as a Triton kernel; triton and the kernels' helpers become this module's globals
+    here, so that importing the bench (its unit test) does not import triton."""
+    if not _jitted:
+        import triton
+        import triton.language
 
-    from glmctl.kernels.exl3_moe_decode import _run_gemv
-    from glmctl.kernels.exl3_trellis import block_offsets
+        from glmctl.kernels.exl3_moe_decode import _run_gemv as run_gemv
+        from glmctl.kernels.exl3_trellis import block_offsets as offsets
 
-    @triton.jit
-    def stream(tr_ptr, a_ptr, out_ptr, e_stride, E_PHYS: tl.constexpr, MODE: tl.constexpr, AFFINE: tl.constexpr,
-               K: tl.constexpr, ROW_WORDS: tl.constexpr, KB: tl.constexpr, BKT: tl.constexpr, FAST: tl.constexpr):
-        e = tl.program_id(0) % E_PHYS
-        base = tr_ptr + e * e_stride + tl.program_id(1) * 256 + tl.program_id(2) * (KB * BKT * ROW_WORDS)
-        if MODE == 0:  # the words alone
-            woff, poff = block_offsets(ROW_WORDS, BKT)
-            acc = tl.zeros([8, 8, BKT, 4], dtype=tl.int32)
-            for kb in range(KB):
-                koff = kb * (BKT * ROW_WORDS)
-                acc ^= tl.load(base + koff + woff) + tl.load(base + koff + poff)[:, :, :, None]
-            total = tl.sum(tl.sum(tl.sum(tl.sum(acc, 3), 2), 1), 0).to(tl.float32)
-        else:
-            rows = tl.arange(0, 16)
-            a_ptrs = a_ptr + rows[:, None] * K + tl.program_id(2) * (KB * BKT * 16) + tl.arange(0, BKT * 16)[None, :]
-            acc0, acc1 = _run_gemv(base, a_ptrs, rows < 16, ROW_WORDS, KB, BKT, 16, AFFINE, FAST)
-            total = tl.sum(tl.sum(acc0 + acc1, 1), 0)
-        pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        tl.store(out_ptr + pid, total)
-
-    return stream
+        globals().update(tl=triton.language, _run_gemv=run_gemv, block_offsets=offsets)
+        _jitted.append(triton.jit(_stream))
+    return _jitted[0]
 
 
-def _constexprs(mode: str, block_k: int, split: int, e_phys: int, fast: bool) -> dict:
-    return dict(E_PHYS=e_phys, MODE=0 if mode == "load" else 1, AFFINE=mode == "affine", K=HIDDEN,
+def _constexprs(mode: str, block_k: int, split: int, fast: bool) -> dict:
+    return dict(MODE=0 if mode == "load" else 1, AFFINE=mode == "affine", K=HIDDEN,
                 ROW_WORDS=(INTER // 16) * 32, KB=HIDDEN // block_k // split, BKT=block_k // 16, FAST=fast)
 
 
@@ -132,9 +142,9 @@ def isa(arch: int, name: str, mode: str, block_k: int, warps: int, stages: int) 
 
     fn = _kernel()
     names = fn.arg_names
-    types = dict(tr_ptr="*i32", a_ptr="*fp16", out_ptr="*fp32", e_stride="i64")
+    types = dict(tr_ptr="*i32", a_ptr="*fp16", out_ptr="*fp32", e_stride="i64", e_phys="i32")
     sig = {n: types.get(n, "constexpr") for n in names}
-    cx = _constexprs(mode, block_k, 4, DRAM_EXPERTS, True)
+    cx = _constexprs(mode, block_k, 4, True)
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cx.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in types})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -146,16 +156,6 @@ def isa(arch: int, name: str, mode: str, block_k: int, warps: int, stages: int) 
             "fma_heavy_per_weight": round(sum(v for o, v in body.items() if o in FMA_HEAVY) / per_thread, 3),
             "alu_per_weight": round(sum(v for o, v in body.items() if o in ALU) / per_thread, 3),
             "opcodes": dict(body.most_common(14))}
-
-
-def issue_bound_rate(row: dict, sms: int, clock_hz: float) -> float | None:
-    """Decoded weights per second at full issue (predicted): the tightest of the three pipes."""
-    if not row.get("instr_per_weight"):
-        return None
-    lanes_per_clock = sms * 4 * clock_hz
-    return min(32 * lanes_per_clock / row["instr_per_weight"],
-               16 * lanes_per_clock / max(row["fma_heavy_per_weight"], 1e-9),
-               16 * lanes_per_clock / max(row["alu_per_weight"], 1e-9))
 
 
 # -- timing -------------------------------------------------------------------------------------
@@ -188,10 +188,10 @@ def stream_rows(torch, trellis, acts, copy_bw: float) -> list[dict]:
     rows = []
     for name, mode, block_k, warps, stages, split in STREAM_CONFIGS:
         for residency, e_phys in (("dram", DRAM_EXPERTS), ("l2", L2_EXPERTS)):
-            cx = _constexprs(mode, block_k, split, e_phys, True)
+            cx = _constexprs(mode, block_k, split, True)
 
-            def launch(cx=cx, warps=warps, stages=stages, split=split):
-                fn[(GRID_EXPERTS, 2, split)](words, acts, out, words.stride(0), **cx, num_warps=warps,
+            def launch(cx=cx, warps=warps, stages=stages, split=split, e_phys=e_phys):
+                fn[(GRID_EXPERTS, 2, split)](words, acts, out, words.stride(0), e_phys, **cx, num_warps=warps,
                                              num_stages=stages)
             us = _events(torch, launch)
             weights = GRID_EXPERTS * HIDDEN * INTER
@@ -235,69 +235,6 @@ def exllamav3_rows(torch, copy_bw: float) -> tuple[list[dict], list[str]]:
 
 
 # -- model --------------------------------------------------------------------------------------
-def touched(tokens: int) -> float:
-    return EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** tokens)
-
-
-def step_model(bw_bytes_per_s: float, decode_rate: float | None) -> dict:
-    """Routed experts per step (ms) at each cell: the bytes floor, the decode floor, their max."""
-    out = {}
-    for cell, tokens in STEP_TOKENS.items():
-        e = touched(tokens)
-        bytes_ms = LAYERS_PER_STEP * e * BYTES_PER_EXPERT / bw_bytes_per_s * 1e3
-        decode_ms = LAYERS_PER_STEP * e * WEIGHTS_PER_EXPERT / decode_rate * 1e3 if decode_rate else None
-        out[cell] = {"tokens": tokens, "touched_experts": round(e, 1), "bytes_floor_ms": round(bytes_ms, 2),
-                     "decode_floor_ms": round(decode_ms, 2) if decode_ms else None,
-                     "floor_ms": round(max(bytes_ms, decode_ms or 0), 2),
-                     "bound": "decode" if decode_ms and decode_ms > bytes_ms else "bytes"}
-    return out
-
-
-def best(rows: list[dict], kernel: str, residency: str, mode: str | None = None) -> dict | None:
-    hits = [r for r in rows if r["kernel"] == kernel and r["residency"] == residency and (mode is None or r["mode"] == mode)]
-    return max(hits, key=lambda r: r["weights_per_s"]) if hits else None
-
-
-def model(result: dict) -> dict:
-    sms, clock = result["sm_count"], result["clock_hz"]
-    bw = result["copy_bw_bytes_per_s"]
-    rows = result["rows"]
-    isa_rows = {(r["arch"], r["config"]): r for r in result["isa"]}
-    raw_l2, raw_dram = best(rows, "glmctl_stream", "l2", "raw"), best(rows, "glmctl_stream", "dram", "raw")
-    exl_l2 = best(rows, "exllamav3_exl3_gemm", "l2")
-    default = STREAM_CONFIGS[0][0]
-    sm90, sm89 = isa_rows.get(("sm_90", default)), isa_rows.get(("sm_89", default))
-    out = {"how": "max(bytes floor, decode floor) per step; rates as labelled", "device": {}}
-    dev = out["device"]
-    dev["bytes_per_s"] = {"value": bw, "label": "measured: 1 GiB copy, read + write"}
-    if raw_l2:
-        dev["glmctl_decode_rate"] = {"value": raw_l2["weights_per_s"], "label": f"measured: stream {raw_l2['config']}, l2"}
-        dev["glmctl_steps"] = step_model(bw, raw_l2["weights_per_s"])
-    if raw_dram:
-        dev["glmctl_dram_stream_rate"] = {"value": raw_dram["weights_per_s"],
-                                          "label": f"measured: stream {raw_dram['config']}, dram (bytes and decode together)"}
-        dev["glmctl_dram_steps"] = step_model(bw, raw_dram["weights_per_s"])
-    if exl_l2:
-        dev["exllamav3_decode_rate"] = {"value": exl_l2["weights_per_s"], "label": f"measured: exl3_gemm {exl_l2['config']}, l2"}
-        dev["exllamav3_steps"] = step_model(bw, exl_l2["weights_per_s"])
-    if sm90:
-        dev["issue_bound_rate_sm90"] = {"value": issue_bound_rate(sm90, sms, clock),
-                                        "label": f"predicted: {sm90['instr_per_weight']} SASS/weight at {sms} SMs x {clock / 1e9:.2f} GHz"}
-    l40: dict = {"label": "predicted: L40 spec bandwidth 864 GB/s x the copy efficiency measured here "
-                          "(copy / spec of this device, when known) and the decode rate measured here (l2) "
-                          "scaled by SMs x clock and by the sm_90 / sm_89 SASS counts"}
-    spec = {"H200": 4.8e12, "H100": 3.35e12}.get(next((k for k in ("H200", "H100") if k in result["device"]), ""), None)
-    eff = bw / spec if spec else 1.0
-    l40_bw = L40["dram_bytes_per_s"] * eff
-    l40_rate = None
-    if raw_l2 and sm90 and sm89 and sm89["instr_per_weight"]:
-        l40_rate = (raw_l2["weights_per_s"] * (L40["sms"] * L40["clock_hz"]) / (sms * clock)
-                    * sm90["instr_per_weight"] / sm89["instr_per_weight"])
-    l40.update(bytes_per_s=l40_bw, decode_rate=l40_rate, steps=step_model(l40_bw, l40_rate))
-    out["l40"] = l40
-    return out
-
-
 # -- output -------------------------------------------------------------------------------------
 def _g(x: float | None, unit: float = 1e12) -> str:
     return "-" if x is None else f"{x / unit:.2f}"
@@ -379,8 +316,13 @@ def main() -> int:
         print(summary(args.summary))
         return 0
     if args.isa:
+        import triton
+
         notes: list[str] = []
-        result = {"isa": isa_rows(notes), "notes": notes}
+        result = {"what": "SASS of glmctl's EXL3 decode loop (bench/exl3_decode_rate.py stream kernel, the MoE "
+                          "kernels' _run_gemv), cross-compiled with triton.compile", "triton": triton.__version__,
+                  "isa": isa_rows(notes), "notes": notes}
+        result["predicted"] = isa_prediction(result["isa"])
         text = json.dumps(result, indent=1)
     else:
         result = run(args)
@@ -394,5 +336,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

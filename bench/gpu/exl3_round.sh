@@ -9,7 +9,7 @@
 #   ../shared/tools/gpu-wheels.sh): without it the coop rows and exllamav3's rates are notes.
 #
 # Each step runs under its own time limit (EXL3_ROUND_SECONDS="tests rate uniform hot", default
-# "42 36 42 24"); EXL3_ROUND_SWEEP names the extra Triton configs timed at 8 and 32 tokens.
+# "48 30 42 20"); EXL3_ROUND_SWEEP names the extra Triton configs timed at 8 and 32 tokens.
 # Writes under $OUT (default ./out/exl3-round): exl3-decode-tests.{xml,log}, exl3-decode-record.json,
 # exl3-decode-rate.{json,log}, moe-bench-{uniform,hot16}.{json,md,log}.
 set -uo pipefail
@@ -21,7 +21,7 @@ for p in kernels quantize profiles; do [ -e "glmctl/$p" ] || ln -s "../$p" "glmc
 export PYTHONPATH=${PYTHONPATH:-/tmp/vsite}:$PWD:$PWD/.whl/ext
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 EXL3_EXPANDABLE_SEGMENTS=0
 export GLMCTL_EXL3_RECORD="$OUT/exl3-decode-record.json"
-read -r T_TESTS T_RATE T_UNIFORM T_HOT <<< "${EXL3_ROUND_SECONDS:-42 36 42 24}"
+read -r T_TESTS T_RATE T_UNIFORM T_HOT <<< "${EXL3_ROUND_SECONDS:-48 30 42 20}"
 SWEEP=${EXL3_ROUND_SWEEP:-exl3_triton.split4_k128,exl3_triton.split4_s2}
 
 python3 -c "import torch, triton; p = torch.cuda.get_device_properties(0); print(f'torch {torch.__version__}; triton {triton.__version__}; {p.name}, {p.multi_processor_count} SMs')"

@@ -106,7 +106,7 @@ def test_inline_block_decode_is_the_reference_bit_for_bit(affine):
     assert bad == 0
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 8, 32, 64])
+@pytest.mark.parametrize("tokens", [1, 8, 32, 64])
 def test_default_configs_match_the_dequantised_reference(layer, tokens):
     import torch
 

@@ -1,4 +1,4 @@
-"""bench/exl3_decode_rate.py and bench/exl3_round_summary.py without a GPU: the SASS loop counter,
+"""bench/exl3_decode_rate.py, exl3_floor.py and exl3_round_summary.py without a GPU: the SASS loop counter,
 the floor model's arithmetic (the issue's 8x22k cell), the pipe-bound rate, the L40 prediction
 and the round's summary table from a folder of results."""
 
@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import exl3_decode_rate as rate  # noqa: E402
+import exl3_floor as floor  # noqa: E402
 import exl3_round_summary  # noqa: E402
 
 SASS = """
@@ -34,18 +35,18 @@ def test_loop_counts_take_the_backward_branch_span():
 def test_issue_bound_rate_is_the_tightest_pipe():
     row = {"instr_per_weight": 4.0, "fma_heavy_per_weight": 2.5, "alu_per_weight": 1.0}
     # issue: 32 / 4 = 8 weights per clock per sub-partition; FMA-heavy: 16 / 2.5 = 6.4
-    assert rate.issue_bound_rate(row, sms=1, clock_hz=1.0) == pytest.approx(4 * 6.4)
+    assert floor.issue_bound_rate(row, sms=1, clock_hz=1.0) == pytest.approx(4 * 6.4)
 
 
 def test_step_model_reproduces_the_issues_bytes_floor():
-    steps = rate.step_model(4.2e12, 5e12)
+    steps = floor.step_model(4.2e12, 5e12)
     cell = steps["8x22k"]
     assert cell["touched_experts"] == pytest.approx(171.1, abs=0.1)
     # 45 layers x 171.1 experts x 1.6 MB / 4.2 TB/s
     assert cell["bytes_floor_ms"] == pytest.approx(45 * 171.1 * 1_598_976 / 4.2e12 * 1e3, rel=1e-3)
     assert cell["decode_floor_ms"] == pytest.approx(45 * 171.1 * 3 * 4096 * 256 / 5e12 * 1e3, rel=1e-3)
     assert cell["bound"] == "decode" and cell["floor_ms"] == cell["decode_floor_ms"]
-    assert rate.step_model(4.2e12, 1e15)["8x22k"]["bound"] == "bytes"
+    assert floor.step_model(4.2e12, 1e15)["8x22k"]["bound"] == "bytes"
 
 
 def _result():
@@ -61,7 +62,7 @@ def _result():
 
 def test_l40_prediction_scales_the_measured_rate_by_sms_and_clock():
     result = _result()
-    m = rate.model(result)
+    m = floor.model(result)
     l40 = m["l40"]
     assert l40["decode_rate"] == pytest.approx(6e12 * 142 * 2.49e9 / (132 * 1.98e9))
     assert l40["bytes_per_s"] == pytest.approx(864e9 * 4.2 / 4.8)
@@ -75,7 +76,7 @@ def test_l40_prediction_scales_the_measured_rate_by_sms_and_clock():
 
 def test_round_summary_reads_what_the_round_left(tmp_path):
     result = _result()
-    result["model"] = rate.model(result)
+    result["model"] = floor.model(result)
     (tmp_path / "exl3-decode-rate.json").write_text(json.dumps(result))
     bench = {"rows": [{"path": p, "tokens": t, "us": us, "frac_copy": 0.2} for p, t, us in
                       (("exl3_coop_lean", 32, 375.0), ("exl3_triton", 32, 150.0), ("exl3_triton.split4_s2", 32, 160.0))],
