@@ -79,7 +79,7 @@ class DecodeConfig:
 
 DECODE_CONFIGS = {c.name: c for c in (
     DecodeConfig("split16_d4", 16, down_split=4), DecodeConfig("split8_d2", 8, down_split=2),
-    DecodeConfig("split8", 8), DecodeConfig("split4", 4), DecodeConfig("split2", 2),
+    DecodeConfig("split8", 8), DecodeConfig("split4", 4), DecodeConfig("split2", 2), DecodeConfig("split1", 1),
     DecodeConfig("split4_s2", 4, stages=2), DecodeConfig("split4_k128", 4, block_k=128),
     DecodeConfig("split4_w8", 4, warps=8), DecodeConfig("split4_n256", 4, block_n2=256),
     DecodeConfig("split8_s2", 8, stages=2),
