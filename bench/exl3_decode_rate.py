@@ -283,13 +283,24 @@ def run(args) -> dict:
     acts = torch.randn(16, HIDDEN, device="cuda", generator=g).half()
     result["rows"] = stream_rows(torch, trellis, acts, result["copy_bw_bytes_per_s"])
     del trellis
+    result["isa"] = []
+    _checkpoint(result, args.out)
     exl_rows, notes = exllamav3_rows(torch, result["copy_bw_bytes_per_s"])
     result["rows"] += exl_rows
     result["notes"] += notes
+    _checkpoint(result, args.out)
     result["isa"] = isa_rows(result["notes"])
     result["model"] = model(result)
     result["bench_seconds"] = round(time.perf_counter() - started, 1)
     return result
+
+
+def _checkpoint(result: dict, out: Path | None) -> None:
+    """A run cut short by its time limit still leaves what it measured (and the model of it)."""
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        partial = dict(result, partial=True, model=model(result))
+        (out / "exl3-decode-rate.json").write_text(json.dumps(partial, indent=1, default=str) + "\n")
 
 
 def isa_rows(notes: list[str]) -> list[dict]:
