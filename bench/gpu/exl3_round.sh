@@ -24,8 +24,13 @@ export GLMCTL_EXL3_RECORD="$OUT/exl3-decode-record.json"
 read -r T_TESTS T_RATE T_UNIFORM T_HOT <<< "${EXL3_ROUND_SECONDS:-48 30 42 20}"
 SWEEP=${EXL3_ROUND_SWEEP:-exl3_triton.split4_k128,exl3_triton.split4_s2}
 
-python3 -c "import torch, triton; p = torch.cuda.get_device_properties(0); print(f'torch {torch.__version__}; triton {triton.__version__}; {p.name}, {p.multi_processor_count} SMs')"
-python3 -c "import exllamav3_ext" 2>/dev/null || echo "exllamav3_ext not importable (carry .whl/): coop rows will be missing"
+python3 - <<'PY'
+import importlib.util, torch, triton
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__}; triton {triton.__version__}; {p.name}, {p.multi_processor_count} SMs")
+if importlib.util.find_spec("exllamav3_ext") is None:
+    print("exllamav3_ext not importable (carry .whl/): the A/B steps and exllamav3's rates will be missing")
+PY
 
 timeout "$T_TESTS" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/exl3-decode-tests.xml" \
     tests/gpu/test_exl3_decode.py > "$OUT/exl3-decode-tests.log" 2>&1
