@@ -3,6 +3,7 @@
 
     python bench/exl3.py [--tokens 1,8,32,48] [--paths exl3_coop,exl3_auto,...] [--sweep PATTERNS]
                          [--prefill 2048,8192] [--vllm-fused-moe PATH] [--tag NAME] [--out DIR] [--json]
+                         [--hot-experts N] [--no-launches]
     python bench/exl3.py --warm ...      compile / warm every selected path, no timing
     python bench/exl3.py --profile ...   one eager call per (path, tokens), between
                                          cudaProfilerStart/Stop, each after a `spin_kernel` marker
@@ -151,8 +152,9 @@ def select(patterns: str, names: list[str]) -> list[str]:
 
 
 def all_names() -> list[str]:
-    from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
     from moe_fp8_vllm import SWEEP
+
+    from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
 
     return (list(EXL3_PATH_NAMES) + [f"exl3_triton.{c}" for c in DECODE_CONFIGS] + ["fp8_torch", "bf16_torch"]
             + [f"{p}.{c}" for p in ("fp8_vllm", "fp8_vllm_k") for c in ["vllm_default"] + [s.name for s in SWEEP]])
@@ -205,10 +207,11 @@ def run(args) -> dict:
         rows.append({"path": name, "tokens": tokens, "mode": "cuda-graph", "us": round(us, 1), "bytes": int(nbytes),
                      "frac_copy": round(nbytes / (us * 1e-6) / bw, 3), "experts": round(experts, 1),
                      "tag": args.tag, **({"config": note} if note else {})})
-        try:
-            rows[-1]["launches"] = launches(torch, fn, inputs)
-        except Exception as exc:
-            rows[-1]["launches"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        if not args.no_launches:
+            try:
+                rows[-1]["launches"] = launches(torch, fn, inputs)
+            except Exception as exc:
+                rows[-1]["launches"] = f"{type(exc).__name__}: {str(exc)[:80]}"
         checkpoint()
         print(json.dumps(rows[-1]), flush=True)
     if args.profile:
@@ -330,6 +333,7 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--hot-experts", type=int, default=0,
                     help="route among the first N experts only (L2-resident weights: the compute ceiling)")
+    ap.add_argument("--no-launches", action="store_true", help="skip the per-row profiler pass (kernel counts)")
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=None)

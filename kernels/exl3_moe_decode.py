@@ -1,27 +1,36 @@
 """Routed experts of one MoE layer on one TP rank at decode batch sizes, EXL3 4-bit weights, in
-Triton, scheduled by the routing: every expert that the batch touches is read once, by programs
-that each take one *run* (up to ROWS (token, expert) slots of one expert) with all its tokens.
+Triton, scheduled by the routing: every expert that the batch touches is decoded once per *run*
+(up to ROWS (token, expert) slots of one expert, the M of every product), by many small programs
+that each take one run, one projection, 128 output columns and one K split.
 
 Shapes: T tokens x top-k picks = S slots (slot s is token s // k, pick s % k); E experts;
 H hidden (gate/up input, down output); I intermediate channels on this rank. Weights are the
 glmctl-exl3/1 tensors of glmctl.quantize.exl3_format, per projection: trellis [E, in/16, out/16,
 64] int16 (K = 4), suh [E, in] and svh [E, out] fp16, each expert's slice contiguous (any expert
-stride, so vLLM's stacked w13 views work). Decoding follows glmctl.kernels.exl3_trellis exactly.
+stride, so vLLM's stacked w13 views work). Decoding follows glmctl.kernels.exl3_trellis: the
+products take the raw codebook integers r and `affine_epilogue` applies v = K_INV r + K_BIAS
+with the row sums of the fp16 activations (xsum, dsum below).
 
 Launches (grids depend on T only: CUDA-graph safe, no host sync, no allocation):
   1. prologue  grid 2S + 1. Program 2S builds the run table (slots sorted by expert, cut into
      runs of <= ROWS). Program 2s + p rotates slot s's token row for projection p: fp16 clamp
-     (out-of-range values counted), * suh_p[e], 128-wide Hadamard -> xrot[s, p] (k' order).
-  2. gate/up   grid (max_runs, I / 128, SPLIT_K): a run's rows x 128 gate and up columns over one
-     K split -> fp32 partials part[split, s, p]. The last split to arrive (self-resetting counter
-     per (run, column block)) sums the splits in order and finishes the block: Hadamard * svh,
-     SwiGLU with GLM's clamp, * down suh, Hadamard -> act[s] (fp16, k' order of the down trellis).
-  3. down      grid (max_runs, H / BLOCK_N2): a run's rows x BLOCK_N2 output columns, Hadamard
-     * svh * routing weight -> y[s] (fp32).
-  4. combine   grid (T, H / 1024): out[t] = sum of y over the token's picks in pick order.
+     (out-of-range values counted), * suh_p[e], 128-wide Hadamard -> xrot[s, p] (k' order) and
+     its sum xsum[s, p].
+  2. gate/up   grid (max_runs, 2 * I / 128, SPLIT_K): one run x 128 columns of one projection
+     over one K split -> fp32 partials part[split, s, p] (the affine epilogue applied, the
+     activation sum once, in split 0).
+  3. finish    grid (max_runs, I / 128): a run's 128-column block from its partials summed in
+     split order: Hadamard * svh, SwiGLU with GLM's clamp, * down suh, Hadamard -> act[s]
+     (fp16, k' order of the down trellis) and its 128-column sums dsum[s, block].
+  4. down      grid (max_runs, H / BLOCK_N2, DOWN_SPLIT): one run x BLOCK_N2 output columns over
+     one K split -> y[split, s] (fp32, before the output rotation).
+  5. combine   grid (T, H / (128 NBLK)): per token, NBLK 128-column blocks of each pick's y
+     (splits summed in order): Hadamard, * svh * routing weight, picks summed in a fixed order.
+The weight kernels (2, 4) hold nothing but the decode-and-multiply loop, so their registers
+(and so the warps an SM keeps in flight) are the loop's.
 Hadamard products run on 64-halves (H128 = [[H64, H64], [H64, -H64]]) as dots with +-1 entries,
 the 1/sqrt(128) applied in fp32: fp16 operands where exllamav3 keeps fp16 scratch (rotated
-inputs, gate/up, activations), tf32 for the down output, which exllamav3 keeps in fp32.
+inputs, gate/up, activations), tf32x3 for the output, which exllamav3 keeps in fp32.
 """
 
 from __future__ import annotations
@@ -33,43 +42,51 @@ import torch
 import triton
 import triton.language as tl
 
+from .exl3_moe_rotate import combine_launch, prologue_launch
 from .exl3_trellis import (
     _hadamard,
     _k_of_kprime,
     _n_of_half_row,
-    decode_tile_half,
+    affine_epilogue,
+    block_offsets,
+    decode_block,
     decode_trellis_ref,
 )
 from .triton_env import interpreting
 
-ROWS = 16  # slots per run: the N of the m16n8k16 products
+ROWS = 16  # slots per run: the M of the m16n8k16 products
 FP16_SAFE = 65280.0
 INV_SQRT128 = 1 / math.sqrt(128)
-_SAFE: tl.constexpr = tl.constexpr(FP16_SAFE)
 _INV128: tl.constexpr = tl.constexpr(INV_SQRT128)
 MAX_TOKENS = 64  # the largest batch this path is sized for (buffers, run table)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """One launch configuration; `split_k` K splits of the gate/up GEMV, `block_k` input rows per
-    step, `block_n2` output columns per down program."""
+    """One launch configuration: `split_k` K splits of each gate/up column block (the partials
+    hold split_k * tokens <= 2 * MAX_TOKENS), `block_k` input rows per gate/up step,
+    `down_split` K splits of the down projection, `block_n2` output columns per down program,
+    `warps` / `stages` of both weight kernels."""
 
     name: str
     split_k: int
     block_k: int = 64
-    block_n2: int = 256
+    down_split: int = 1
+    block_n2: int = 128
     warps: int = 4
-    stages: int = 2
+    stages: int = 1
 
 
 DECODE_CONFIGS = {c.name: c for c in (
-    DecodeConfig("split8", 8), DecodeConfig("split4", 4), DecodeConfig("split2", 2),
-    DecodeConfig("split1", 1), DecodeConfig("split1_k128_w8", 1, block_k=128, warps=8),
-    DecodeConfig("split2_n512", 2, block_n2=512), DecodeConfig("split4_k128_w8", 4, block_k=128, warps=8),
+    DecodeConfig("split16_d4", 16, down_split=4), DecodeConfig("split8_d2", 8, down_split=2),
+    DecodeConfig("split8", 8), DecodeConfig("split4", 4), DecodeConfig("split2", 2), DecodeConfig("split1", 1),
+    DecodeConfig("split4_s2", 4, stages=2), DecodeConfig("split4_k128", 4, block_k=128),
+    DecodeConfig("split4_w8", 4, warps=8), DecodeConfig("split4_n256", 4, block_n2=256),
+    DecodeConfig("split8_s2", 8, stages=2),
 )}
-# tokens per step -> config: enough gate/up programs to cover the SMs at ~T*k/1.1 runs
-DEFAULT_BY_TOKENS = ((2, "split8"), (8, "split4"), (16, "split2"), (MAX_TOKENS, "split1"))
+# tokens per step -> config: gate/up programs ~ runs x 4 x split_k and down programs ~ runs x
+# 32 x down_split, several waves of 132-142 SMs at every size
+DEFAULT_BY_TOKENS = ((2, "split16_d4"), (4, "split8_d2"), (16, "split8"), (32, "split4"), (MAX_TOKENS, "split2"))
 
 
 def default_config(tokens: int) -> DecodeConfig:
@@ -84,68 +101,6 @@ def max_runs(slots: int, experts: int) -> int:
 
 
 @triton.jit
-def _prologue_kernel(x_ptr, x_stride, ids_ptr, gsuh_ptr, gsuh_stride, usuh_ptr, usuh_stride, xrot_ptr,
-                     clamp_ptr, order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr, S, E,
-                     TOPK: tl.constexpr, H: tl.constexpr, NB_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                     E_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, ROWS: tl.constexpr, CHECK: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid == 2 * S:  # the run table
-        s = tl.arange(0, S_PAD)
-        ids = tl.load(ids_ptr + s, mask=s < S, other=E).to(tl.int32)  # padding sorts last, bin E
-        tl.store(order_ptr + s, tl.sort(ids * S_PAD + s) % S_PAD, mask=s < S)
-        e = tl.arange(0, E_PAD)
-        cnt = tl.where(e < E, tl.histogram(ids, E_PAD), 0)
-        first = tl.cumsum(cnt, 0) - cnt
-        runs = (cnt + ROWS - 1) // ROWS
-        run0 = tl.cumsum(runs, 0) - runs
-        for c in tl.static_range(MAX_CHUNKS):
-            m = c < runs
-            tl.store(run_e_ptr + run0 + c, e, mask=m)
-            tl.store(run_s_ptr + run0 + c, first + c * ROWS, mask=m)
-            tl.store(run_n_ptr + run0 + c, tl.minimum(cnt - c * ROWS, ROWS), mask=m)
-        tl.store(meta_ptr, tl.sum(runs, 0))
-        return
-    s = pid // 2
-    p = pid % 2
-    e = tl.load(ids_ptr + s).to(tl.int64)
-    # every 128-block as its two 64-halves: H128 v = [H64 (v0 + v1), H64 (v0 - v1)]
-    blk = tl.arange(0, NB_PAD)[:, None]
-    lo = blk * 128 + tl.arange(0, 64)[None, :]
-    inside = blk < H // 128
-    xrow = x_ptr + (s // TOPK) * x_stride
-    x0 = tl.load(xrow + lo, mask=inside, other=0.0).to(tl.float32)
-    x1 = tl.load(xrow + lo + 64, mask=inside, other=0.0).to(tl.float32)
-    if CHECK:
-        if (p == 0) & (s % TOPK == 0):  # one count per token
-            bad = tl.sum(tl.sum(tl.where(tl.abs(x0) <= _SAFE, 0, 1) + tl.where(tl.abs(x1) <= _SAFE, 0, 1), 1), 0)
-            tl.atomic_add(clamp_ptr, bad.to(tl.int64))
-        x0 = tl.where(x0 == x0, tl.minimum(tl.maximum(x0, -_SAFE), _SAFE), x0)  # NaN stays NaN
-        x1 = tl.where(x1 == x1, tl.minimum(tl.maximum(x1, -_SAFE), _SAFE), x1)
-    if p == 0:
-        suh_row = gsuh_ptr + e * gsuh_stride
-    else:
-        suh_row = usuh_ptr + e * usuh_stride
-    v0 = x0.to(tl.float16).to(tl.float32) * tl.load(suh_row + lo, mask=inside, other=0.0).to(tl.float32)
-    v1 = x1.to(tl.float16).to(tl.float32) * tl.load(suh_row + lo + 64, mask=inside, other=0.0).to(tl.float32)
-    i = tl.arange(0, 64)
-    hp = _hadamard(i, _k_of_kprime(i)).to(tl.float16)  # [i, k'] = H64[i, k(k')]: output in k' order
-    dst = xrot_ptr + s * (2 * H) + p * H + lo
-    tl.store(dst, (tl.dot((v0 + v1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=inside)
-    tl.store(dst + 64, (tl.dot((v0 - v1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=inside)
-
-
-@triton.jit
-def _word_offsets(ROW_WORDS: tl.constexpr, BKT: tl.constexpr):
-    """Offsets of words [nt, c0, kt, jr] of an 8-tile-wide column block and of their predecessors."""
-    nt = tl.arange(0, 8)[:, None, None, None]
-    c0 = tl.arange(0, 8)[None, :, None, None]
-    kt = tl.arange(0, BKT)[None, None, :, None]
-    jr = tl.arange(0, 4)[None, None, None, :]
-    tile = nt * 32 + kt * ROW_WORDS
-    return tile + c0 * 4 + jr, tile + (c0 * 4 + jr + 31) % 32
-
-
-@triton.jit
 def _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS: tl.constexpr):
     e = tl.load(run_e_ptr + r).to(tl.int64)
     start = tl.load(run_s_ptr + r)
@@ -156,67 +111,77 @@ def _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS: tl.constexpr
 
 
 @triton.jit
-def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr, gsvh_stride, usvh_ptr,
-                    usvh_stride, dsuh_ptr, dsuh_stride, order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr,
-                    part_ptr, part_split_stride, ctr_ptr, act_ptr, act_limit,
+def _run_gemv(base, a_ptrs, valid, ROW_WORDS: tl.constexpr, KB: tl.constexpr, BKT: tl.constexpr,
+              ROWS: tl.constexpr, AFFINE: tl.constexpr, FAST: tl.constexpr):
+    """Products of a run's activations (a_ptrs: [ROWS, BKT*16] fp16 in k' order, advancing by
+    BKT*16 per step) with KB steps of BKT tile rows x 8 tile columns of a trellis at `base`
+    (int32 words): the two column-half accumulators [ROWS, 64] (rows n'' of the halves), raw
+    (the MoE kernels) or of the fp16 codebook values with AFFINE (the decode-rate bench)."""
+    woff, poff = block_offsets(ROW_WORDS, BKT)
+    acc0 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    acc1 = tl.zeros((ROWS, 64), dtype=tl.float32)
+    for kb in range(KB):
+        koff = kb * (BKT * ROW_WORDS)
+        w = tl.load(base + koff + woff).to(tl.uint32, bitcast=True)
+        p = tl.load(base + koff + poff).to(tl.uint32, bitcast=True)
+        at = tl.load(a_ptrs + kb * (BKT * 16), mask=valid[:, None], other=0.0)
+        h0, h1 = decode_block(w, p, BKT, AFFINE, FAST)
+        acc0 = tl.dot(at, tl.trans(h0), acc0)
+        acc1 = tl.dot(at, tl.trans(h1), acc1)
+    return acc0, acc1
+
+
+@triton.jit
+def _gate_up_kernel(xrot_ptr, xsum_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, order_ptr, run_e_ptr, run_s_ptr,
+                    run_n_ptr, meta_ptr, part_ptr, part_split_stride,
                     H: tl.constexpr, INTER: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
                     BLOCK_K: tl.constexpr, FAST: tl.constexpr):
     r = tl.program_id(0)
-    nb = tl.program_id(1)
+    nb = tl.program_id(1) // 2
+    p = tl.program_id(1) % 2
     ks = tl.program_id(2)
     if r >= tl.load(meta_ptr):
         return
     e, slot, valid = _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS)
     BKT: tl.constexpr = BLOCK_K // 16
-    ROW_WORDS: tl.constexpr = (INTER // 16) * 32
-    woff, poff = _word_offsets(ROW_WORDS, BKT)
-    gbase = gtr_ptr + e * gtr_stride + nb * 256
-    ubase = utr_ptr + e * utr_stride + nb * 256
-    a_ptrs = xrot_ptr + slot[:, None] * (2 * H) + tl.arange(0, BLOCK_K)[None, :]
-    acc_g0 = tl.zeros((ROWS, 64), dtype=tl.float32)
-    acc_g1 = tl.zeros((ROWS, 64), dtype=tl.float32)
-    acc_u0 = tl.zeros((ROWS, 64), dtype=tl.float32)
-    acc_u1 = tl.zeros((ROWS, 64), dtype=tl.float32)
     KB: tl.constexpr = H // BLOCK_K // SPLIT_K
-    for i in range(KB):
-        kb = ks * KB + i
-        koff = kb * (BKT * ROW_WORDS)
-        at_g = tl.load(a_ptrs + kb * BLOCK_K, mask=valid[:, None], other=0.0)
-        at_u = tl.load(a_ptrs + H + kb * BLOCK_K, mask=valid[:, None], other=0.0)
-        w = tl.load(gbase + koff + woff).to(tl.uint32, bitcast=True)
-        p = tl.load(gbase + koff + poff).to(tl.uint32, bitcast=True)
-        acc_g0 = tl.dot(at_g, tl.trans(decode_tile_half(w, p, 0, 8, BKT, FAST)), acc_g0)
-        acc_g1 = tl.dot(at_g, tl.trans(decode_tile_half(w, p, 1, 8, BKT, FAST)), acc_g1)
-        w = tl.load(ubase + koff + woff).to(tl.uint32, bitcast=True)
-        p = tl.load(ubase + koff + poff).to(tl.uint32, bitcast=True)
-        acc_u0 = tl.dot(at_u, tl.trans(decode_tile_half(w, p, 0, 8, BKT, FAST)), acc_u0)
-        acc_u1 = tl.dot(at_u, tl.trans(decode_tile_half(w, p, 1, 8, BKT, FAST)), acc_u1)
+    if p == 0:
+        base = gtr_ptr + e * gtr_stride
+    else:
+        base = utr_ptr + e * utr_stride
+    base += nb * 256 + ks * (KB * BKT * (INTER // 16) * 32)
+    a_ptrs = xrot_ptr + slot[:, None] * (2 * H) + p * H + ks * (KB * BLOCK_K) + tl.arange(0, BLOCK_K)[None, :]
+    acc0, acc1 = _run_gemv(base, a_ptrs, valid, (INTER // 16) * 32, KB, BKT, ROWS, False, FAST)
+    xs = tl.where(ks == 0, tl.load(xsum_ptr + slot * 2 + p, mask=valid, other=0.0), 0.0)
     half_row = tl.arange(0, 64)
-    pbase = part_ptr + ks * part_split_stride + slot[:, None] * (2 * INTER) + nb * 128
-    tl.store(pbase + _n_of_half_row(half_row, 0)[None, :], acc_g0, mask=valid[:, None])
-    tl.store(pbase + _n_of_half_row(half_row, 1)[None, :], acc_g1, mask=valid[:, None])
-    tl.store(pbase + INTER + _n_of_half_row(half_row, 0)[None, :], acc_u0, mask=valid[:, None])
-    tl.store(pbase + INTER + _n_of_half_row(half_row, 1)[None, :], acc_u1, mask=valid[:, None])
-    tl.debug_barrier()
-    if SPLIT_K > 1:  # only the last split to arrive goes on
-        counter = ctr_ptr + r * (INTER // 128) + nb
-        if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT_K - 1:
-            return
-        tl.atomic_xchg(counter, 0)  # ready for the next call
-    # finish the 128-column block, as 64-halves (H128 [g0; g1] = [H64 (g0 + g1); H64 (g0 - g1)]),
-    # in fp16 operands like exllamav3's fp16 gate/up scratch; rows are slots, so every product
-    # below is [ROWS, 64] x [64, 64] (H64 is symmetric: x H64 = (H64 x^T)^T)
+    pbase = part_ptr + ks * part_split_stride + slot[:, None] * (2 * INTER) + p * INTER + nb * 128
+    tl.store(pbase + _n_of_half_row(half_row, 0)[None, :], affine_epilogue(acc0, xs), mask=valid[:, None])
+    tl.store(pbase + _n_of_half_row(half_row, 1)[None, :], affine_epilogue(acc1, xs), mask=valid[:, None])
+
+
+@triton.jit
+def _finish_kernel(part_ptr, part_split_stride, gsvh_ptr, gsvh_stride, usvh_ptr, usvh_stride, dsuh_ptr, dsuh_stride,
+                   order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr, act_ptr, dsum_ptr, act_limit,
+                   INTER: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One 128-column block of a run, from the summed partials to the down input, as 64-halves
+    (H128 [g0; g1] = [H64 (g0 + g1); H64 (g0 - g1)]) in fp16 operands like exllamav3's fp16
+    gate/up scratch; rows are slots, so every product is [ROWS, 64] x [64, 64] (H64 is symmetric)."""
+    r = tl.program_id(0)
+    nb = tl.program_id(1)
+    if r >= tl.load(meta_ptr):
+        return
+    e, slot, valid = _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS)
     i = tl.arange(0, 64)
     g0 = tl.zeros((ROWS, 64), dtype=tl.float32)
     g1 = tl.zeros((ROWS, 64), dtype=tl.float32)
     u0 = tl.zeros((ROWS, 64), dtype=tl.float32)
     u1 = tl.zeros((ROWS, 64), dtype=tl.float32)
-    for q in tl.static_range(SPLIT_K):
+    for q in range(SPLIT_K):  # in split order
         src = part_ptr + q * part_split_stride + slot[:, None] * (2 * INTER) + nb * 128 + i[None, :]
-        g0 += tl.load(src, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        g1 += tl.load(src + 64, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        u0 += tl.load(src + INTER, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        u1 += tl.load(src + INTER + 64, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        g0 += tl.load(src, mask=valid[:, None], other=0.0)
+        g1 += tl.load(src + 64, mask=valid[:, None], other=0.0)
+        u0 += tl.load(src + INTER, mask=valid[:, None], other=0.0)
+        u1 += tl.load(src + INTER + 64, mask=valid[:, None], other=0.0)
     had = _hadamard(i, i).to(tl.float16)
     col = nb * 128 + i
     gs = gsvh_ptr + e * gsvh_stride + col
@@ -229,9 +194,14 @@ def _gate_up_kernel(xrot_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride, gsvh_ptr
                  tl.dot((u0 - u1).to(tl.float16), had) * (tl.load(us + 64).to(tl.float32) * _INV128)[None, :],
                  act_limit) * tl.load(ds + 64).to(tl.float32)[None, :]
     hp = _hadamard(i, _k_of_kprime(i)).to(tl.float16)  # [i, k'] = H64[i, k(k')]: columns in k' order
+    out0 = (tl.dot((a0 + a1).to(tl.float16), hp) * _INV128).to(tl.float16)
+    out1 = (tl.dot((a0 - a1).to(tl.float16), hp) * _INV128).to(tl.float16)
     dst = act_ptr + slot[:, None] * INTER + col[None, :]
-    tl.store(dst, (tl.dot((a0 + a1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=valid[:, None])
-    tl.store(dst + 64, (tl.dot((a0 - a1).to(tl.float16), hp) * _INV128).to(tl.float16), mask=valid[:, None])
+    tl.store(dst, out0, mask=valid[:, None])
+    tl.store(dst + 64, out1, mask=valid[:, None])
+    # the sums of the fp16 values the down products read (their affine epilogue)
+    tl.store(dsum_ptr + slot * (INTER // 128) + nb, tl.sum(out0.to(tl.float32) + out1.to(tl.float32), 1),
+             mask=valid)
 
 
 @triton.jit
@@ -243,79 +213,54 @@ def _swiglu(g, u, limit):
 
 
 @triton.jit
-def _down_kernel(act_ptr, dtr_ptr, dtr_stride, dsvh_ptr, dsvh_stride, rw_ptr, order_ptr, run_e_ptr, run_s_ptr,
-                 run_n_ptr, meta_ptr, y_ptr,
+def _down_kernel(act_ptr, dsum_ptr, dtr_ptr, dtr_stride, order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr,
+                 y_ptr, y_split_stride,
                  H: tl.constexpr, INTER: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N2: tl.constexpr, FAST: tl.constexpr):
+                 BLOCK_N2: tl.constexpr, DOWN_SPLIT: tl.constexpr, FAST: tl.constexpr):
     r = tl.program_id(0)
     nb = tl.program_id(1)
+    ks = tl.program_id(2)
     if r >= tl.load(meta_ptr):
         return
     e, slot, valid = _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS)
     BKT: tl.constexpr = BLOCK_K // 16
+    KB: tl.constexpr = INTER // BLOCK_K // DOWN_SPLIT
     ROW_WORDS: tl.constexpr = (H // 16) * 32
-    woff, poff = _word_offsets(ROW_WORDS, BKT)
-    a_ptrs = act_ptr + slot[:, None] * INTER + tl.arange(0, BLOCK_K)[None, :]
-    scale = tl.load(rw_ptr + slot, mask=valid, other=0.0).to(tl.float32) * _INV128
-    # output Hadamard from the two column-half accumulators (rows: slots, columns: n''): with
-    # A[n'', j] = H64[n(0, n'') % 64, j], D = (-1)^bit3(j) (half 1 sits 8 columns right) and
-    # S = diag(-1 on n'' >= 32, the right 64 columns): y[:, :64] = acc0 A + D (acc1 A),
-    # y[:, 64:] = acc0 S A + D (acc1 S A)
-    i = tl.arange(0, 64)
-    amat = _hadamard(_n_of_half_row(i, 0) % 64, i)
-    amat_s = amat * tl.where(i < 32, 1.0, -1.0)[:, None]
-    dsign = (1 - 2 * ((i // 8) % 2)).to(tl.float32)[None, :]
-    for sub in range(BLOCK_N2 // 128):
+    a_ptrs = act_ptr + slot[:, None] * INTER + ks * (KB * BLOCK_K) + tl.arange(0, BLOCK_K)[None, :]
+    nblk = tl.arange(0, INTER // 128)
+    ds = tl.sum(tl.load(dsum_ptr + slot[:, None] * (INTER // 128) + nblk[None, :], mask=valid[:, None],
+                        other=0.0), 1)
+    ds = tl.where(ks == 0, ds, 0.0)
+    half_row = tl.arange(0, 64)
+    for sub in tl.static_range(BLOCK_N2 // 128):
         col0 = nb * BLOCK_N2 + sub * 128
-        base = dtr_ptr + e * dtr_stride + (col0 // 16) * 32
-        acc0 = tl.zeros((ROWS, 64), dtype=tl.float32)
-        acc1 = tl.zeros((ROWS, 64), dtype=tl.float32)
-        for kb in range(INTER // BLOCK_K):
-            koff = kb * (BKT * ROW_WORDS)
-            at = tl.load(a_ptrs + kb * BLOCK_K, mask=valid[:, None], other=0.0)
-            w = tl.load(base + koff + woff).to(tl.uint32, bitcast=True)
-            p = tl.load(base + koff + poff).to(tl.uint32, bitcast=True)
-            acc0 = tl.dot(at, tl.trans(decode_tile_half(w, p, 0, 8, BKT, FAST)), acc0)
-            acc1 = tl.dot(at, tl.trans(decode_tile_half(w, p, 1, 8, BKT, FAST)), acc1)
-        top = (tl.dot(acc0, amat, input_precision="tf32")
-               + dsign * tl.dot(acc1, amat, input_precision="tf32"))
-        bot = (tl.dot(acc0, amat_s, input_precision="tf32")
-               + dsign * tl.dot(acc1, amat_s, input_precision="tf32"))
-        sv = dsvh_ptr + e * dsvh_stride + col0 + i
-        dst = y_ptr + slot[:, None] * H + col0 + i[None, :]
-        tl.store(dst, top * tl.load(sv).to(tl.float32)[None, :] * scale[:, None], mask=valid[:, None])
-        tl.store(dst + 64, bot * tl.load(sv + 64).to(tl.float32)[None, :] * scale[:, None], mask=valid[:, None])
-
-
-@triton.jit
-def _combine_kernel(y_ptr, out_ptr, out_stride, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j) * H + cols)
-    tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty))
+        base = dtr_ptr + e * dtr_stride + (col0 // 16) * 32 + ks * (KB * BKT * ROW_WORDS)
+        acc0, acc1 = _run_gemv(base, a_ptrs, valid, ROW_WORDS, KB, BKT, ROWS, False, FAST)
+        dst = y_ptr + ks * y_split_stride + slot[:, None] * H + col0
+        tl.store(dst + _n_of_half_row(half_row, 0)[None, :], affine_epilogue(acc0, ds), mask=valid[:, None])
+        tl.store(dst + _n_of_half_row(half_row, 1)[None, :], affine_epilogue(acc1, ds), mask=valid[:, None])
 
 
 class DecodeWorkspace:
-    """Scratch of one (device, shape): run table, rotated inputs, partials, activations, slot
-    outputs, and the zeroed completion counters the gate/up kernel leaves at zero."""
+    """Scratch of one (device, shape): run table, rotated inputs and their sums, split partials,
+    activations and their sums, slot outputs."""
 
     def __init__(self, device, hidden: int, intermediate: int, top_k: int, experts: int,
                  max_tokens: int = MAX_TOKENS) -> None:
         s = max_tokens * top_k
-        i32 = dict(dtype=torch.int32, device=device)
+        i32, f32 = dict(dtype=torch.int32, device=device), dict(dtype=torch.float32, device=device)
         self.slots, self.runs = s, max_runs(s, experts)
         self.order = torch.zeros(s, **i32)
         self.run_e, self.run_s, self.run_n = (torch.zeros(self.runs, **i32) for _ in range(3))
         self.meta = torch.zeros(1, **i32)
-        self.counters = torch.zeros(self.runs * (intermediate // 128), **i32)
         self.xrot = torch.empty((s, 2, hidden), dtype=torch.float16, device=device)
-        # split-k partials [split * slots]: room for two splits at the largest batch (the configs
-        # split more only where there are fewer slots)
-        self.part = torch.empty((2 * s, 2, intermediate), dtype=torch.float32, device=device)
+        self.xsum = torch.empty((s, 2), **f32)
+        # split partials: split_k * tokens <= 2 * max_tokens; slot outputs: down_split * tokens <=
+        # 2 * max_tokens (the configs split more only where there are fewer tokens)
+        self.part = torch.empty((2 * s, 2, intermediate), **f32)
         self.act = torch.empty((s, intermediate), dtype=torch.float16, device=device)
-        self.y = torch.empty((s, hidden), dtype=torch.float32, device=device)
+        self.dsum = torch.empty((s, intermediate // 128), **f32)
+        self.y = torch.empty((2 * s, hidden), **f32)
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -324,6 +269,21 @@ def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         raise ValueError(f"need 4-bit trellis [E, in/16, out/16, 64] with contiguous experts, got "
                          f"{tuple(t.shape)} strides {tuple(t.stride())}")
     return t.view(torch.int32), t.stride(0) // 2
+
+
+def check_config(cfg: DecodeConfig, tokens: int, top_k: int, hidden: int, inter: int, ws: DecodeWorkspace) -> None:
+    slots = tokens * top_k
+    bad = [why for why, ok in (
+        (f"{slots} slots > workspace {ws.slots}", slots <= ws.slots),
+        ("split_k partials beyond the workspace", cfg.split_k * slots <= ws.part.shape[0]),
+        ("down_split outputs beyond the workspace", cfg.down_split * slots <= ws.y.shape[0]),
+        ("block_n2 must divide hidden", hidden % cfg.block_n2 == 0 and cfg.block_n2 % 128 == 0),
+        ("intermediate must be a multiple of 128", inter % 128 == 0),
+        ("split_k must divide hidden / block_k", (hidden // cfg.block_k) % cfg.split_k == 0),
+        ("down_split must divide intermediate / 64", (inter // 64) % cfg.down_split == 0),
+    ) if not ok]
+    if bad:
+        raise ValueError(f"{tokens} tokens x top-{top_k} / config {cfg.name}: {'; '.join(bad)}")
 
 
 def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float, clamped: torch.Tensor,
@@ -336,51 +296,42 @@ def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float,
     slots = tokens * top_k
     experts, inter = gate[0].shape[0], gate[2].shape[1]
     cfg = config or default_config(tokens)
-    if (slots > ws.slots or cfg.split_k * slots > ws.part.shape[0] or hidden % cfg.block_n2 or inter % 128
-            or (hidden // cfg.block_k) % cfg.split_k):
-        raise ValueError(f"{tokens} tokens x top-{top_k} / config {cfg.name} exceed the workspace or shape")
+    check_config(cfg, tokens, top_k, hidden, inter, ws)
     fast = not interpreting() and x.is_cuda
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     (gtr, gst), (utr, ust), (dtr, dst) = _words(gate[0]), _words(up[0]), _words(down[0])
     runs = max_runs(slots, experts)
-    _prologue_kernel[(2 * slots + 1,)](
-        x, x.stride(0), ids, gate[1], gate[1].stride(0), up[1], up[1].stride(0), ws.xrot, clamped,
-        ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, slots, experts,
-        TOPK=top_k, H=hidden, NB_PAD=max(16, triton.next_power_of_2(hidden // 128)),
-        S_PAD=triton.next_power_of_2(slots), E_PAD=triton.next_power_of_2(experts + 1),
-        MAX_CHUNKS=triton.cdiv(tokens, ROWS), ROWS=ROWS, CHECK=x.dtype != torch.float16, num_warps=4)
-    _gate_up_kernel[(runs, inter // 128, cfg.split_k)](
-        ws.xrot, gtr, gst, utr, ust, gate[2], gate[2].stride(0), up[2], up[2].stride(0), down[1],
-        down[1].stride(0), ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, ws.part, slots * 2 * inter,
-        ws.counters, ws.act, float(act_limit or 0.0),
+    prologue_launch(x, ids, gate[1], up[1], ws, clamped, top_k, experts, ROWS)
+    run_table = (ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta)
+    _gate_up_kernel[(runs, 2 * (inter // 128), cfg.split_k)](
+        ws.xrot, ws.xsum, gtr, gst, utr, ust, *run_table, ws.part, slots * 2 * inter,
         H=hidden, INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=fast,
         num_warps=cfg.warps, num_stages=cfg.stages)
-    weights = topk_weights.reshape(-1)
-    _down_kernel[(runs, hidden // cfg.block_n2)](
-        ws.act, dtr, dst, down[2], down[2].stride(0), weights if weights.is_contiguous() else weights.contiguous(),
-        ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta, ws.y,
-        H=hidden, INTER=inter, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2, FAST=fast,
-        num_warps=cfg.warps, num_stages=cfg.stages)
-    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    block = min(1024, hidden)
-    _combine_kernel[(tokens, hidden // block)](ws.y, out, out.stride(0), H=hidden, TOPK=top_k, BLOCK=block,
-                                               num_warps=4)
-    return out
+    _finish_kernel[(runs, inter // 128)](
+        ws.part, slots * 2 * inter, gate[2], gate[2].stride(0), up[2], up[2].stride(0), down[1], down[1].stride(0),
+        *run_table, ws.act, ws.dsum, float(act_limit or 0.0), INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k,
+        num_warps=4)
+    _down_kernel[(runs, hidden // cfg.block_n2, cfg.down_split)](
+        ws.act, ws.dsum, dtr, dst, *run_table, ws.y, slots * hidden,
+        H=hidden, INTER=inter, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2, DOWN_SPLIT=cfg.down_split,
+        FAST=fast, num_warps=cfg.warps, num_stages=cfg.stages)
+    return combine_launch(x, ids, topk_weights, down[2], ws.y, slots * hidden, top_k, cfg.down_split)
 
 
 # -- reference ---------------------------------------------------------------------------------------
 def dequantize_ref(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """fp32 (in, out) weight W = diag(suh) Had T Had diag(svh), T from `decode_trellis_ref`."""
-    t = decode_trellis_ref(trellis.cpu(), bits).float()
+    """fp32 (in, out) weight W = diag(suh) Had T Had diag(svh), T from `decode_trellis_ref`, on the
+    trellis's device."""
+    t = decode_trellis_ref(trellis, bits).float()
     k, n = t.shape
-    h = torch.ones((1, 1))
+    h = torch.ones((1, 1), device=t.device)
     while h.shape[0] < 128:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(128)
-    w = (h @ t.view(k // 128, 128, n)).reshape(k, n) * suh.cpu().float().unsqueeze(1)
-    return (w.view(k, n // 128, 128) @ h).reshape(k, n) * svh.cpu().float().unsqueeze(0)
+    w = (h @ t.view(k // 128, 128, n)).reshape(k, n) * suh.float().unsqueeze(1)
+    return (w.view(k, n // 128, 128) @ h).reshape(k, n) * svh.float().unsqueeze(0)
 
 
 def exl3_moe_decode_ref(x, topk_ids, topk_weights, gate, up, down, act_limit: float) -> torch.Tensor:
@@ -391,7 +342,7 @@ def exl3_moe_decode_ref(x, topk_ids, topk_weights, gate, up, down, act_limit: fl
     ids, w = topk_ids.cpu().long(), topk_weights.cpu().float()
     for e in ids.unique().tolist():
         tok, pick = (ids == e).nonzero(as_tuple=True)
-        wg, wu, wd = (dequantize_ref(p[0][e], p[1][e], p[2][e]) for p in (gate, up, down))
+        wg, wu, wd = (dequantize_ref(p[0][e].cpu(), p[1][e].cpu(), p[2][e].cpu()) for p in (gate, up, down))
         g, u = xf[tok] @ wg, xf[tok] @ wu
         if act_limit:
             g, u = g.clamp(max=act_limit), u.clamp(-act_limit, act_limit)
@@ -403,30 +354,27 @@ def shipped_configs(hidden: int = 4096, intermediate: int = 256, top_k: int = 8,
                     target_tokens: tuple[int, ...] = (1, 32)):
     """(name, jit function, {arg: type}, {constexpr: value}, options) of every launch the path
     makes at GLM-5.3-Flash's TP8 shape, for a cross-compile check (glmctl.kernels.sm89_check)."""
-    i32, i64, f32 = "i32", "i64", "fp32"
+    from .exl3_moe_rotate import rotate_configs
+
+    i64, f32 = "i64", "fp32"
     runs = dict(order_ptr="*i32", run_e_ptr="*i32", run_s_ptr="*i32", run_n_ptr="*i32", meta_ptr="*i32")
-    for tokens in target_tokens:
-        slots = tokens * top_k
-        yield (f"exl3_decode_prologue[T{tokens}]", _prologue_kernel,
-               dict(x_ptr="*bf16", x_stride=i64, ids_ptr="*i32", gsuh_ptr="*fp16", gsuh_stride=i64,
-                    usuh_ptr="*fp16", usuh_stride=i64, xrot_ptr="*fp16", clamp_ptr="*i64", S=i32, E=i32, **runs),
-               dict(TOPK=top_k, H=hidden, NB_PAD=max(16, hidden // 128), S_PAD=triton.next_power_of_2(slots),
-                    E_PAD=triton.next_power_of_2(experts + 1), MAX_CHUNKS=triton.cdiv(tokens, ROWS), ROWS=ROWS,
-                    CHECK=True),
-               dict(num_warps=4, num_stages=1))
-    for cfg in DECODE_CONFIGS.values():
-        yield (f"exl3_decode_gate_up[{cfg.name}]", _gate_up_kernel,
-               dict(xrot_ptr="*fp16", gtr_ptr="*i32", gtr_stride=i64, utr_ptr="*i32", utr_stride=i64,
-                    gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16", usvh_stride=i64, dsuh_ptr="*fp16",
-                    dsuh_stride=i64, part_ptr="*fp32", part_split_stride=i64, ctr_ptr="*i32", act_ptr="*fp16",
+    yield from rotate_configs(hidden, top_k, experts, target_tokens, ROWS)
+    for split in sorted({c.split_k for c in DECODE_CONFIGS.values()}):
+        yield (f"exl3_decode_finish[split{split}]", _finish_kernel,
+               dict(part_ptr="*fp32", part_split_stride=i64, gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16",
+                    usvh_stride=i64, dsuh_ptr="*fp16", dsuh_stride=i64, act_ptr="*fp16", dsum_ptr="*fp32",
                     act_limit=f32, **runs),
+               dict(INTER=intermediate, ROWS=ROWS, SPLIT_K=split), dict(num_warps=4, num_stages=1))
+    for cfg in DECODE_CONFIGS.values():
+        options = dict(num_warps=cfg.warps, num_stages=cfg.stages)
+        yield (f"exl3_decode_gate_up[{cfg.name}]", _gate_up_kernel,
+               dict(xrot_ptr="*fp16", xsum_ptr="*fp32", gtr_ptr="*i32", gtr_stride=i64, utr_ptr="*i32",
+                    utr_stride=i64, part_ptr="*fp32", part_split_stride=i64, **runs),
                dict(H=hidden, INTER=intermediate, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=True),
-               dict(num_warps=cfg.warps, num_stages=cfg.stages))
+               options)
         yield (f"exl3_decode_down[{cfg.name}]", _down_kernel,
-               dict(act_ptr="*fp16", dtr_ptr="*i32", dtr_stride=i64, dsvh_ptr="*fp16", dsvh_stride=i64,
-                    rw_ptr="*fp32", y_ptr="*fp32", **runs),
+               dict(act_ptr="*fp16", dsum_ptr="*fp32", dtr_ptr="*i32", dtr_stride=i64, y_ptr="*fp32",
+                    y_split_stride=i64, **runs),
                dict(H=hidden, INTER=intermediate, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2,
-                    FAST=True),
-               dict(num_warps=cfg.warps, num_stages=cfg.stages))
-    yield ("exl3_decode_combine", _combine_kernel, dict(y_ptr="*fp32", out_ptr="*bf16", out_stride=i64),
-           dict(H=hidden, TOPK=top_k, BLOCK=1024), dict(num_warps=4, num_stages=1))
+                    DOWN_SPLIT=cfg.down_split, FAST=True),
+               options)

@@ -30,7 +30,11 @@ DIVISIBLE = {"q_stride_t", "q_stride_h", "row_stride", "num_rows", "idx_stride_t
              # (TP8 slices of GLM-5.3-Flash's projections are multiples of 128)
              "x_stride_m", "w_stride_n", "size_n", "size_k",
              # KDA's recurrent-state slot stride (a KV-pool page: 8 heads x 128 x 128 and padding)
-             "state_stride_slot"}
+             "state_stride_slot",
+             # the EXL3 decode path: expert strides of trellis / scale tensors, the bf16 row stride,
+             # split strides of its fp32 scratch (all multiples of 16 at every TP slice)
+             "gtr_stride", "utr_stride", "dtr_stride", "gsuh_stride", "usuh_stride", "gsvh_stride",
+             "usvh_stride", "dsuh_stride", "svh_stride", "x_stride", "part_split_stride", "y_split_stride"}
 
 
 def shipped_configs():
@@ -160,6 +164,19 @@ def shipped_configs():
     from . import kda_decode
 
     yield from kda_decode.sm89_configs()
+    yield from _exl3_configs()
+
+
+def _exl3_configs():
+    """The EXL3 decode-batch MoE path at GLM-5.3-Flash's TP8 shape (every DECODE_CONFIGS entry,
+    the one-launch coop input preparation)."""
+    from . import exl3_coop_io, exl3_moe_decode
+
+    yield from exl3_moe_decode.shipped_configs()
+    yield ("exl3_coop_inputs", exl3_coop_io._coop_inputs_kernel,
+           dict(x_ptr="*bf16", x_stride="i64", ids_ptr="*i32", w_ptr="*fp32", x16_ptr="*fp16",
+                ids64_ptr="*i64", w16_ptr="*fp16", clamp_ptr="*i64"),
+           dict(H=4096, TOPK=8, TOPK_PAD=8, BLOCK=1024, CHECK=True), dict(num_warps=4, num_stages=1))
 
 
 def _mhc_configs():

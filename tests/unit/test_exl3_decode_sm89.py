@@ -1,12 +1,14 @@
-"""Every launch of the EXL3 decode path (glmctl.kernels.exl3_moe_decode, exl3_coop_io) fits Ada:
-cross-compiled for sm_89 at GLM-5.3-Flash's TP8 shape with `triton.compile`, <= 99 KB of shared
-memory per program, no Hopper wgmma, no register spills, and the trellis decode compiled to the
-instructions it was written for (32-bit multiply, dp4a). The same kernels compiled for sm_90 (the
-H200 stand-in) must not use wgmma either: every product has the run's 16 slots as M, below
-wgmma's 64, so Hopper runs the mma.sync code Ada runs. (With 64 weight columns as M, the gate/up
-and down kernels compiled to wgmma on sm_90, and the H200 runs faulted in them with Triton 3.6
-while the mma.sync prologue ran.) Runs in a fresh process: the unit lane's kernel tests load the
-kernels into the interpreter, which cannot compile."""
+"""Every launch of the EXL3 decode path (glmctl.kernels.exl3_moe_decode, exl3_moe_rotate,
+exl3_coop_io) fits Ada: cross-compiled for sm_89 at GLM-5.3-Flash's TP8 shape with
+`triton.compile` (arguments specialised as glmctl.kernels.sm89_check specialises them), <= 99 KB
+of shared memory per program, no Hopper wgmma, no register spills, and the trellis decode
+compiled to the instructions it was written for (32-bit multiply, dp4a). The weight kernels
+(gate/up, down) hold <= 128 registers per thread, so an SM keeps >= 4 of their 4-warp programs in
+flight: their loop is integer-issue bound and needs warps to hide latency. The same kernels
+compiled for sm_90 (the H200 stand-in) must not use wgmma either: every product has the run's
+16 slots as M, below wgmma's 64, so Hopper runs the mma.sync code Ada runs. Runs in a fresh
+process: the unit lane's kernel tests load the kernels into the interpreter, which cannot
+compile."""
 
 from __future__ import annotations
 
@@ -26,24 +28,23 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from glmctl.kernels import exl3_coop_io, exl3_moe_decode
+    from glmctl.kernels import sm89_check
 
-    configs = list(exl3_moe_decode.shipped_configs())
-    configs.append(("exl3_coop_inputs", exl3_coop_io._coop_inputs_kernel,
-                    dict(x_ptr="*bf16", x_stride="i64", ids_ptr="*i32", w_ptr="*fp32", x16_ptr="*fp16",
-                         ids64_ptr="*i64", w16_ptr="*fp16", clamp_ptr="*i64"),
-                    dict(H=4096, TOPK=8, TOPK_PAD=8, BLOCK=1024, CHECK=True), dict(num_warps=4)))
-    hopper = [c for c in configs if c[0].startswith(("exl3_decode_gate_up", "exl3_decode_down"))]
-    for arch, (name, fn, types, constexprs, options) in [(89, c) for c in configs] + [(90, c) for c in hopper]:
+    configs = list(sm89_check._exl3_configs())
+    weights = [c for c in configs if c[0].startswith(("exl3_decode_gate_up", "exl3_decode_down"))]
+    for arch, (name, fn, types, constexprs, options) in [(89, c) for c in configs] + [(90, c) for c in weights]:
         names = fn.arg_names
         signature = {n: types.get(n, "constexpr") for n in names}
-        src = ASTSource(fn=fn, signature=signature,
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if signature[n].startswith("*") or n in sm89_check.DIVISIBLE}
+        src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                         constexprs={(names.index(k),): v for k, v in constexprs.items()})
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         ptx = k.asm["ptx"]
         print(json.dumps({"kernel": name, "arch": arch, "shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
                           "local_loads": ptx.count("ld.local"), "dp4a": ptx.count("dp4a.u32.u32"),
-                          "mul32": ptx.count("mul.lo.s32") + ptx.count("mul.lo.u32")}), flush=True)
+                          "mul32": ptx.count("mul.lo.s32") + ptx.count("mul.lo.u32"),
+                          **sm89_check._cubin_resources(k.asm.get("cubin"))}), flush=True)
 """)
 
 
@@ -55,11 +56,13 @@ def test_exl3_decode_kernels_fit_sm89():
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert result.returncode == 0, result.stderr[-3000:]
     kinds = {row["kernel"].split("[")[0] for row in rows}
-    assert kinds >= {"exl3_decode_prologue", "exl3_decode_gate_up", "exl3_decode_down", "exl3_decode_combine",
-                     "exl3_coop_inputs"}
+    assert kinds >= {"exl3_decode_prologue", "exl3_decode_gate_up", "exl3_decode_finish", "exl3_decode_down",
+                     "exl3_decode_combine", "exl3_coop_inputs"}
     assert {row["arch"] for row in rows} == {89, 90}
     for row in rows:
         assert 0 <= row["shared"] <= SM89_SHARED_LIMIT, row
         assert not row["wgmma"] and row["local_loads"] == 0, row
+        assert row["spills"] in (0, None), row
         if row["kernel"].startswith(("exl3_decode_gate_up", "exl3_decode_down")):
             assert row["dp4a"] > 0 and row["mul32"] > 0, row  # the codebook: imul + dp4a, no 64-bit math
+            assert row["regs"] is None or row["regs"] <= 128, row

@@ -3,8 +3,9 @@
 Paths (`GLMCTL_EXL3_DECODE`, or `Exl3MoE.decode_kernel`):
   coop       exllamav3's `exl3_moe_coop` (up to 2 x 256 slots), torch dtype conversions around it
   coop_lean  the same kernel with its inputs prepared in one launch (glmctl.kernels.exl3_coop_io)
-  triton     glmctl.kernels.exl3_moe_decode: one program per expert run, trellis decoded in
-             Triton (4 bits per weight, up to 64 tokens)
+  triton     glmctl.kernels.exl3_moe_decode: each touched expert decoded once per run of up to
+             16 slots, by programs split over projections, columns and K (4 bits per weight, up
+             to 64 tokens)
   fused      exllamav3's `exl3_moe` at every size
   auto       `pick_decode_path` below
 Every path is CUDA-graph safe and sync-free; sizes no path holds fall through to `exl3_moe`.
@@ -26,9 +27,10 @@ def pick_decode_path(tokens: int, top_k: int, bits: float, triton_ok: bool) -> s
     (coop_lean) at every decode size. On the H200 (bench/results/exl3-h200.md, CUDA graphs, one
     TP8 rank of GLM-5.3-Flash) it was the fastest path measured at every size: 32.6 / 133 / 374 /
     601 us at 1 / 8 / 32 / 48 tokens against coop's 43 / 150 / 393 / 626 (the same kernels; the
-    seven torch conversions around them cost the difference). The Triton path is not picked: it
-    has no measured figures yet. Sizes beyond the coop kernel's slots fall through to exl3_moe
-    in the caller, whatever the rule says."""
+    seven torch conversions around them cost the difference). The Triton path is not picked
+    until a GPU run shows it faster (bench/gpu/exl3_round.sh times the two side by side). Sizes
+    beyond the coop kernel's slots fall through to exl3_moe in the caller, whatever the rule
+    says."""
     del tokens, top_k, bits, triton_ok
     return "coop_lean"
 
