@@ -15,11 +15,21 @@
   ``kpool * n + i`` for ``i < seq_len - kpool * n``, then -1; every later column is -1. These are
   request-logical token positions, as vLLM's ``expand_pools_and_append_tail`` writes them.
 
+Decode rows: ``kpool_topk_decode(logits, positions, context_pools, out, *, kpool, select_pools,
+valid_rows=None)`` and ``kpool_topk_decode_ref``: the same selection with each row's length
+computed from vLLM's metadata, ``min(positions[row] + 1, (context_pools[row] + 1) * kpool - 1)``
+(int64 positions, int32 pool-granular context lengths: a row's complete pools never exceed the
+context whose logits were written), and the rows from ``valid_rows`` on (CUDA-graph padding)
+written -1 in full: every row of ``out`` is written, so the buffer needs no fill first.
+
 Kernels (graph safe: lengths read on the device, no allocation, one program per row or per
-slice, every grid fixed by the row count). The default is the threshold kernel of
-:mod:`.kpool_topk_threshold` (:data:`THRESHOLD_CONFIG`): two passes over a row, then an exact
-select among a few hundred candidates, with the radix select (:mod:`.kpool_topk_select`) as its
-fallback for rows whose candidates overflow. ``config=RADIX`` selects the radix kernels: logits map to
+slice, every grid fixed by the row count). The default is the packed-counter kernel of
+:mod:`.kpool_topk_packed` (:data:`PACKED_CONFIG`): two passes over a row, then an exact select
+among a few hundred candidates, each radix step a single block-wide reduction, with the radix
+select (:mod:`.kpool_topk_select`) as its fallback for rows whose candidates overflow. A
+:class:`.kpool_topk_threshold.ThresholdTopkConfig` (:data:`THRESHOLD_CONFIG`) selects the
+threshold kernel, the same algorithm with 16-bin tensors per step (the previous default).
+``config=RADIX`` selects the radix kernels: logits map to
 order-preserving 32-bit keys, and four passes histogram one 8-bit digit each among the keys
 matching the digits chosen so far, which yields the ``select_pools``-th largest key; a last pass
 in index order keeps the keys above it and the first ties, so the result is deterministic and
@@ -41,6 +51,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .kpool_topk_packed import (
+    PACKED_CONFIG,
+    PackedTopkConfig,
+    launch_kpool_topk_packed,
+    packed_capacity,
+)
 from .kpool_topk_select import _order_key, _select_and_write, _threshold
 from .kpool_topk_threshold import (
     ThresholdTopkConfig,
@@ -173,15 +189,23 @@ def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, 
                workspace: KpoolTopkWorkspace | None = None,
                direct_max: int = DIRECT_MAX_POOLS, config=None) -> torch.Tensor:
     """Triton kernels; same contract as :func:`kpool_topk_ref` (see module doc). ``config``:
-    a :class:`.kpool_topk_threshold.ThresholdTopkConfig` (default :data:`THRESHOLD_CONFIG`) or
-    :data:`RADIX` for the radix kernels, with which a workspace splits rows of more than
-    ``direct_max`` pools into slices first (the threshold kernel needs no workspace)."""
+    a :class:`.kpool_topk_packed.PackedTopkConfig` (default :data:`PACKED_CONFIG`), a
+    :class:`.kpool_topk_threshold.ThresholdTopkConfig`, or :data:`RADIX` for the radix kernels,
+    with which a workspace splits rows of more than ``direct_max`` pools into slices first (the
+    other kernels need no workspace)."""
     num_rows = logits.shape[0]
     assert out.dtype == torch.int32 and out.stride(1) == 1 and logits.stride(1) == 1
     assert out.shape[1] >= select_pools * kpool + kpool - 1 and kpool & (kpool - 1) == 0
     if num_rows == 0:
         return out
-    config = THRESHOLD_CONFIG if config is None else config
+    config = DEFAULT_CONFIG if config is None else config
+    if isinstance(config, PackedTopkConfig):
+        cap = packed_capacity(config, select_pools, kpool)
+        if cap:
+            return launch_kpool_topk_packed(logits, out[:num_rows], kpool=kpool,
+                                            select_pools=select_pools, config=config, cap=cap,
+                                            seq_lens=seq_lens, row_starts=row_starts)
+        config = RADIX
     if config is not RADIX:
         cap = threshold_capacity(config, select_pools, kpool)
         if cap:
@@ -209,6 +233,57 @@ def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, 
         DIRECT_MAX=max(direct_max, select_pools), KPOOL=kpool, SELECT=select_pools,
         BLOCK=block, TAIL=max(2, triton.next_power_of_2(kpool - 1)), num_warps=num_warps,
     )
+    return out
+
+
+def kpool_topk_decode(logits: torch.Tensor, positions: torch.Tensor,
+                      context_pools: torch.Tensor, out: torch.Tensor, *, kpool: int,
+                      select_pools: int, valid_rows: int | None = None,
+                      config=None) -> torch.Tensor:
+    """Decode rows (see module doc): one launch of the packed kernel, which reads the positions
+    and context lengths itself and writes every row of ``out``. Another ``config`` (threshold or
+    radix) computes the lengths with torch ops and fills the padding rows, as the indexer did."""
+    assert out.dtype == torch.int32 and out.stride(1) == 1 and logits.stride(1) == 1
+    assert out.shape[1] >= select_pools * kpool + kpool - 1 and kpool & (kpool - 1) == 0
+    rows = out.shape[0]
+    valid = rows if valid_rows is None else min(valid_rows, rows)
+    assert positions.numel() >= valid and context_pools.numel() >= valid
+    assert logits.shape[0] >= valid
+    if rows == 0:
+        return out
+    config = DEFAULT_CONFIG if config is None else config
+    cap = packed_capacity(config, select_pools, kpool) if isinstance(config,
+                                                                      PackedTopkConfig) else 0
+    if cap:
+        return launch_kpool_topk_packed(
+            logits, out, kpool=kpool, select_pools=select_pools, config=config, cap=cap,
+            positions=positions.reshape(-1).contiguous(),
+            context_pools=context_pools.reshape(-1).contiguous(), valid_rows=valid)
+    seq = decode_seq_lens(positions.reshape(-1)[:valid], context_pools.reshape(-1)[:valid], kpool)
+    kpool_topk(logits[:valid], seq, out[:valid], kpool=kpool, select_pools=select_pools,
+               config=config)
+    out[valid:] = -1
+    return out
+
+
+def decode_seq_lens(positions: torch.Tensor, context_pools: torch.Tensor,
+                    kpool: int) -> torch.Tensor:
+    """Decode rows' lengths in tokens (int32), as the packed kernel computes them."""
+    seq = torch.minimum(positions.long() + 1, (context_pools.long() + 1) * kpool - 1)
+    return seq.clamp_min(0).to(torch.int32)
+
+
+def kpool_topk_decode_ref(logits: torch.Tensor, positions: torch.Tensor,
+                          context_pools: torch.Tensor, out: torch.Tensor, *, kpool: int,
+                          select_pools: int, valid_rows: int | None = None) -> torch.Tensor:
+    """Torch reference of :func:`kpool_topk_decode`."""
+    rows = out.shape[0]
+    valid = rows if valid_rows is None else min(valid_rows, rows)
+    out.fill_(-1)
+    if valid:
+        seq = decode_seq_lens(positions.reshape(-1)[:valid], context_pools.reshape(-1)[:valid],
+                              kpool)
+        kpool_topk_ref(logits[:valid], seq, out[:valid], kpool=kpool, select_pools=select_pools)
     return out
 
 
@@ -268,6 +343,10 @@ def _threshold_configs():
     return shipped, candidates
 
 
-# The shipped threshold configuration and what the bench sweeps (each compiled for sm_89 in
+# The threshold kernel's configuration and what the bench sweeps (each compiled for sm_89 in
 # tests/unit/test_kernels_sm89.py).
 THRESHOLD_CONFIG, TOPK_CANDIDATES = _threshold_configs()
+# What kpool_topk and kpool_topk_decode run without a config; the named choices the plugin's
+# kernel table offers (kernel_table.INDEXER_TOPK).
+DEFAULT_CONFIG = PACKED_CONFIG
+NAMED_CONFIGS = {"packed": PACKED_CONFIG, "threshold": THRESHOLD_CONFIG, "radix": RADIX}

@@ -157,6 +157,7 @@ def shipped_configs():
                dict(HAS_STARTS=False, KPOOL=16, SELECT=128, TAIL=16, R=cfg.rows, COLS=cfg.cols,
                     CAP=cap, T0_STEPS=cfg.t0_steps, BLOCK=1024),
                dict(num_warps=cfg.num_warps, num_stages=1))
+    yield from _topk_packed_configs()
     yield from _mhc_configs()
     from . import fp8_block_linear
 
@@ -177,6 +178,26 @@ def _exl3_configs():
            dict(x_ptr="*bf16", x_stride="i64", ids_ptr="*i32", w_ptr="*fp32", x16_ptr="*fp16",
                 ids64_ptr="*i64", w16_ptr="*fp16", clamp_ptr="*i64"),
            dict(H=4096, TOPK=8, TOPK_PAD=8, BLOCK=1024, CHECK=True), dict(num_warps=4, num_stages=1))
+
+
+def _topk_packed_configs():
+    """The packed top-k: every candidate on prefill rows (int32 lengths, row offsets), the
+    shipped one also on decode rows (int64 positions and context lengths)."""
+    from . import kpool_topk_packed as packed
+
+    types = dict(logits_ptr="*fp32", logits_stride="i64", starts_ptr="*i32", seq_ptr="*i32",
+                 pos_ptr="*i32", ctx_ptr="*i32", out_ptr="*i32", out_stride="i64",
+                 out_width="i32", valid_rows="i32")
+    for cfg in packed.PACKED_CANDIDATES:
+        for decode in (False, True) if cfg == packed.PACKED_CONFIG else (False,):
+            cap = packed.packed_capacity(cfg, 128, 16)
+            yield (f"kpool_topk_packed[{cfg.name}{' decode' if decode else ''}]",
+                   packed._kpool_topk_packed_kernel,
+                   dict(types, pos_ptr="*i64") if decode else types,
+                   dict(HAS_STARTS=not decode, FROM_POSITIONS=decode, KPOOL=16, SELECT=128,
+                        TAIL=16, R=cfg.rows, COLS=cfg.cols, CAP=cap, T0_STEPS=cfg.t0_steps,
+                        BLOCK=1024),
+                   dict(num_warps=cfg.num_warps, num_stages=1))
 
 
 def _mhc_configs():
