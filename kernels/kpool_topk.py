@@ -238,11 +238,12 @@ def kpool_topk(logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, 
 
 def kpool_topk_decode(logits: torch.Tensor, positions: torch.Tensor,
                       context_pools: torch.Tensor, out: torch.Tensor, *, kpool: int,
-                      select_pools: int, valid_rows: int | None = None,
-                      config=None) -> torch.Tensor:
+                      select_pools: int, valid_rows: int | None = None, config=None,
+                      workspace: KpoolTopkWorkspace | None = None) -> torch.Tensor:
     """Decode rows (see module doc): one launch of the packed kernel, which reads the positions
     and context lengths itself and writes every row of ``out``. Another ``config`` (threshold or
-    radix) computes the lengths with torch ops and fills the padding rows, as the indexer did."""
+    radix, with its ``workspace``) computes the lengths with torch ops and fills the padding
+    rows, as the indexer did."""
     assert out.dtype == torch.int32 and out.stride(1) == 1 and logits.stride(1) == 1
     assert out.shape[1] >= select_pools * kpool + kpool - 1 and kpool & (kpool - 1) == 0
     rows = out.shape[0]
@@ -261,7 +262,7 @@ def kpool_topk_decode(logits: torch.Tensor, positions: torch.Tensor,
             context_pools=context_pools.reshape(-1).contiguous(), valid_rows=valid)
     seq = decode_seq_lens(positions.reshape(-1)[:valid], context_pools.reshape(-1)[:valid], kpool)
     kpool_topk(logits[:valid], seq, out[:valid], kpool=kpool, select_pools=select_pools,
-               config=config)
+               config=config, workspace=workspace)
     out[valid:] = -1
     return out
 

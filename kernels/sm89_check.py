@@ -182,8 +182,17 @@ def _exl3_configs():
 
 def _topk_packed_configs():
     """The packed top-k: every candidate on prefill rows (int32 lengths, row offsets), the
-    shipped one also on decode rows (int64 positions and context lengths)."""
+    shipped one also on decode rows (int64 positions and context lengths); the sparse-MLA
+    backend's positions-to-rows kernel."""
     from . import kpool_topk_packed as packed
+    from . import sparse_slots
+
+    yield ("sparse_rows", sparse_slots._sparse_rows_kernel,
+           dict(idx_ptr="*i32", idx_stride="i64", req_ptr="*i32", bt_ptr="*i32",
+                bt_stride="i64", bt_width="i32", out_ptr="*i32", out_stride="i64",
+                width="i32", block_size="i32", rows_per_block="i32"),
+           dict(BLOCK=sparse_slots.SPARSE_ROWS_BLOCK),
+           dict(num_warps=sparse_slots.SPARSE_ROWS_WARPS, num_stages=1))
 
     types = dict(logits_ptr="*fp32", logits_stride="i64", starts_ptr="*i32", seq_ptr="*i32",
                  pos_ptr="*i32", ctx_ptr="*i32", out_ptr="*i32", out_stride="i64",

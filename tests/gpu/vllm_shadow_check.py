@@ -122,7 +122,25 @@ def _shadow_indexer(ix, refs) -> None:
                         f"reference-only {sorted(want_sets[i] - got_sets[i])[:8]}")
             _note("indexer.topk", 0.0, len(got_sets), len(bad), note)
 
+    def topk_decode(logits_, positions, context, out, **kwargs):
+        served.topk_decode(logits_, positions, context, out, **kwargs)
+        if STATS["indexer.topk_decode"]["calls"] < SHADOW_CALLS:
+            want = torch.full_like(out, 7)
+            ref_kwargs = {k: v for k, v in kwargs.items() if k != "workspace"}
+            refs.topk_decode(logits_.clone(), positions, context, want, **ref_kwargs)
+            got_sets = [set(r[r >= 0].tolist()) for r in out]
+            want_sets = [set(r[r >= 0].tolist()) for r in want]
+            bad = [i for i, (g, w) in enumerate(zip(got_sets, want_sets, strict=False)) if g != w]
+            note = None
+            if bad:
+                i = bad[0]
+                note = (f"row {i} (position {int(positions.reshape(-1)[i]) if i < positions.numel() else 'pad'}): "
+                        f"served-only {sorted(got_sets[i] - want_sets[i])[:8]}, "
+                        f"reference-only {sorted(want_sets[i] - got_sets[i])[:8]}")
+            _note("indexer.topk_decode", 0.0, len(got_sets), len(bad), note)
+
     table.topk = topk
+    table.topk_decode = topk_decode
     ix.kernels = table
 
 
@@ -154,7 +172,15 @@ def _shadow_mla(impl, refs) -> None:
             _note("mla.cache_write", _rel(cache.view(torch.uint8).float(), before.view(torch.uint8).float())
                   if cache.dtype != torch.bfloat16 else _rel(cache, before))
 
-    table.attention, table.cache_write = attention, cache_write
+    def rows(token_indices, req_ids, block_table, block_size, rows_per_block):
+        got = served.rows(token_indices, req_ids, block_table, block_size, rows_per_block)
+        if STATS["mla.rows"]["calls"] < SHADOW_CALLS:
+            want = refs.rows(token_indices, req_ids, block_table, block_size, rows_per_block)
+            differing = int((got != want).any(dim=1).sum())
+            _note("mla.rows", 0.0, int(got.shape[0]), differing)
+        return got
+
+    table.attention, table.cache_write, table.rows = attention, cache_write, rows
     if served.decode is not None:
         table.decode = decode
     impl.kernels = table

@@ -77,8 +77,8 @@ def test_threshold_topk_small_selection_and_radix_by_name():
     seq = torch.tensor([0, 690 * kpool + 2, 17 * kpool, select * kpool, 5], dtype=torch.int32)
     want = torch.full((5, select * kpool + kpool - 1 + 5), 777, dtype=torch.int32)
     topk.kpool_topk_ref(logits, seq, want, kpool=kpool, select_pools=select)
-    for cfg in (None, topk.RADIX, threshold.ThresholdTopkConfig("tiny", rows=4, cols=32, cap=32,
-                                                                num_warps=4)):
+    for cfg in (None, topk.THRESHOLD_CONFIG, topk.RADIX,
+                threshold.ThresholdTopkConfig("tiny", rows=4, cols=32, cap=32, num_warps=4)):
         got = torch.full_like(want, 5)
         topk.kpool_topk(logits, seq, got, kpool=kpool, select_pools=select, config=cfg)
         assert torch.equal(got, want), cfg
@@ -93,7 +93,7 @@ def test_capacity_fits_the_history_columns():
 
 
 @interpreted
-@pytest.mark.parametrize("path", ["threshold", "radix", "radix+workspace"])
+@pytest.mark.parametrize("path", ["packed", "threshold", "radix", "radix+workspace"])
 def test_signed_zero_logits_tie_and_the_lower_pool_wins(path):
     """A ReLU'd indexer logit is -0.0 or +0.0 by summation order (the batch, the GPU and the
     kernel change it); they are equal, so the lower pool must win as in the reference. The
@@ -109,8 +109,10 @@ def test_signed_zero_logits_tie_and_the_lower_pool_wins(path):
     want = torch.full((rows, 256), 777, dtype=torch.int32)
     topk.kpool_topk_ref(logits.clone(), seq, want, kpool=kpool, select_pools=select, row_starts=starts)
     got = torch.full_like(want, 5)
-    if path == "threshold":
-        topk.kpool_topk(logits, seq, got, kpool=kpool, select_pools=select, row_starts=starts)
+    if path in ("packed", "threshold"):
+        config = topk.PACKED_CONFIG if path == "packed" else topk.THRESHOLD_CONFIG
+        topk.kpool_topk(logits, seq, got, kpool=kpool, select_pools=select, row_starts=starts,
+                        config=config)
     elif path == "radix":
         topk.kpool_topk(logits, seq, got, kpool=kpool, select_pools=select, row_starts=starts, config=topk.RADIX)
     else:  # decode's two stages, every row split into slices

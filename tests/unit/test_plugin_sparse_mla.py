@@ -18,6 +18,7 @@ _modules = import_interpreted(
     "glmctl.kernels.sparse_mla_prefill",
     "glmctl.kernels.mla_cache_write",
     "glmctl.kernels.sparse_mla_decode",
+    "glmctl.kernels.sparse_slots",
 )
 interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
 
@@ -166,3 +167,23 @@ def test_triton_table_decode_and_prefill_match_the_torch_path(fmt, tokens_per_re
         torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=2e-3)
     plan = setup.plan_for(q.shape[0], tokens_per_req)
     assert plan.num_splits > 1 and plan.kv_format == fmt  # split-K really ran
+
+
+@interpreted
+def test_triton_rows_are_the_references():
+    """Request-local positions -> cache rows in one launch: -1 and out-of-table positions give
+    -1, a strided cache (rows_per_block > block size) and an index buffer wider than the batch's
+    rows (a view with a row stride) map as in the reference."""
+    gen = torch.Generator().manual_seed(2)
+    _, cache, topk, req_ids, table, _ = _batch("fp8", gen, 4)
+    wide = torch.full((topk.shape[0] + 3, WIDTH + 128), -1, dtype=torch.int32)
+    wide[: topk.shape[0], :WIDTH] = topk
+    wide[0, 5] = table.shape[1] * BLOCK + 3  # past the block table
+    view = wide[: topk.shape[0], :WIDTH]
+    triton_k, torch_k = sparse_mla_kernels(Target.TRITON), sparse_mla_kernels(Target.TORCH)
+    ids = req_ids[: topk.shape[0]]
+    got = triton_k.rows(view, ids, table, BLOCK, 2 * BLOCK)
+    want = torch_k.rows(view, ids, table, BLOCK, 2 * BLOCK)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert got[0, 5] == -1 and (got[view < 0] == -1).all()
+    assert int((got >= 0).sum()) == int((view >= 0).sum()) - 1

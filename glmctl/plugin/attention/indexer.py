@@ -115,11 +115,18 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             self._write_prefill(meta, tail_meta, k, gate_score, compress_ape, index_kpool)
             self._write_decode(meta, tail_meta, k, gate_score, compress_ape, index_kpool, positions)
 
-        buffer[: hidden_states.shape[0]] = -1
+        # The decode select writes every row it owns: its tokens and, in a batch of decodes
+        # only, the (CUDA-graph) padding rows after them; the other rows are filled here.
+        rows = hidden_states.shape[0]
+        decode_rows = 0
+        if meta.num_decodes > 0:
+            decode_rows = rows if meta.num_prefills == 0 else meta.num_decode_tokens
+        if decode_rows < rows:
+            buffer[decode_rows:rows] = -1
         if meta.num_prefills > 0:
             self._select_prefill(meta, q_quant, weights, index_kpool, positions)
         if meta.num_decodes > 0:
-            self._select_decode(meta, q_quant, weights, index_kpool, positions)
+            self._select_decode(meta, q_quant, weights, index_kpool, positions, decode_rows)
         return buffer
 
     # -- cache writes ---------------------------------------------------------------------
@@ -158,7 +165,7 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
             grouped(gate[:n], 0),
             ape,
             grouped(meta.slot_mapping[:n], -1),
-            grouped(positions[:n].to(torch.int32), -1),
+            grouped(positions[:n], -1),
             kpool,
         )
 
@@ -185,48 +192,61 @@ class GlmctlKpoolIndexer(SparseAttnIndexerKpool):
                 select_pools=topk // kpool, row_starts=chunk.cu_seqlen_ks,
             )
 
-    def _select_decode(self, meta, q_quant, weights, kpool, positions):
-        buffer, topk = self.topk_indices_buffer, self.topk_tokens
+    def _select_decode(self, meta, q_quant, weights, kpool, positions, decode_rows):
+        """Rows [0, decode_rows): the decode tokens' selections, then -1 (padding rows)."""
+        buffer, select = self.topk_indices_buffer, self.topk_tokens // kpool
         decode = meta.decode
         n = meta.num_decode_tokens
         # Short contexts select every token; the full path gives the same set, so a captured
         # graph (whose host branches are frozen) always takes the full path.
-        if meta.max_seq_len <= topk and not _capturing():
+        if meta.max_seq_len <= self.topk_tokens and not _capturing():
             _fill_causal(buffer[:n], positions[:n])
+            buffer[n:decode_rows] = -1
             return
-        lens = decode.decode_lens
-        batch = lens.shape[0]
-        # vLLM's decode layout: [batch, next_n] query rows, either uniform (a view of the token
-        # order) or padded per request (requires_padding); flattened decode is next_n = 1.
         if decode.requires_padding:
-            next_n = int(lens.max())
-            grouped = _group_by_request(lens, batch, n, width=next_n)
-            q = grouped(q_quant[:n], 0)
-            w = grouped(weights[:n], 0).reshape(batch * next_n, -1)
-            seq_tokens = grouped(positions[:n].to(torch.int32), -1).reshape(-1) + 1
-        else:
-            next_n = n // batch
-            q = q_quant[:n].reshape(batch, next_n, *q_quant.shape[1:])
-            w = weights[:n]
-            seq_tokens = positions[:n].to(torch.int32) + 1
+            self._select_decode_padded(meta, q_quant, weights, kpool, positions, decode_rows)
+            return
+        # vLLM's decode layout: [batch, next_n] query rows, a view of the token order
+        # (flattened decode is next_n = 1); context lengths [batch, next_n] in pools.
+        batch = decode.decode_lens.shape[0]
+        next_n = n // batch
+        q = q_quant[:n].reshape(batch, next_n, *q_quant.shape[1:])
         context = decode.seq_lens.reshape(batch, -1)
         if context.shape[1] != next_n:
             context = context[:, :1].expand(batch, next_n)
+        context = context.contiguous()
+        logits = self.kernels.logits_paged(q, weights[:n], self.k_cache.kv_cache,
+                                           decode.block_table, context)
+        # One launch: each row's length from its position, capped by its context (the logits
+        # of pools at or past it are not written), and every row of buffer[:decode_rows].
+        self.kernels.topk_decode(logits, positions[:n], context, buffer[:decode_rows],
+                                 kpool=kpool, select_pools=select, valid_rows=n,
+                                 **self._topk_args(n))
+
+    def _select_decode_padded(self, meta, q_quant, weights, kpool, positions, decode_rows):
+        """Decode requests of unequal token counts: grouped into [batch, next_n] by request
+        (host-side lengths: eager batches only), selected, and scattered back."""
+        buffer, topk = self.topk_indices_buffer, self.topk_tokens
+        decode = meta.decode
+        n = meta.num_decode_tokens
+        lens = decode.decode_lens
+        batch = lens.shape[0]
+        next_n = int(lens.max())
+        grouped = _group_by_request(lens, batch, n, width=next_n)
+        q = grouped(q_quant[:n], 0)
+        w = grouped(weights[:n], 0).reshape(batch * next_n, -1)
+        context = decode.seq_lens.reshape(batch, -1)
+        if context.shape[1] != next_n:
+            context = context[:, :1].expand(batch, next_n)
+        context = context.contiguous()
         logits = self.kernels.logits_paged(q, w, self.k_cache.kv_cache, decode.block_table,
                                            context)
-        # The logits of pools at or past a row's context length are not written (CUDA): the
-        # top-k must never read them, so a row's complete pools are capped by its context (a
-        # no-op when the positions and vLLM's context lengths agree, as they should).
-        seq_tokens = torch.minimum(seq_tokens, (context.reshape(-1).to(torch.int32) + 1) * kpool - 1)
-        if decode.requires_padding:
-            out = torch.full((batch * next_n, buffer.shape[1]), -1, dtype=buffer.dtype,
-                             device=buffer.device)
-            self.kernels.topk(logits, seq_tokens, out, kpool=kpool, select_pools=topk // kpool,
-                              **self._topk_args(batch * next_n))
-            buffer[:n] = out[_padded_row_index(lens, next_n)]
-        else:
-            self.kernels.topk(logits, seq_tokens, buffer[:n], kpool=kpool,
-                              select_pools=topk // kpool, **self._topk_args(n))
+        out = torch.empty((batch * next_n, buffer.shape[1]), dtype=buffer.dtype,
+                          device=buffer.device)
+        self.kernels.topk_decode(logits, grouped(positions[:n], -1), context, out, kpool=kpool,
+                                 select_pools=topk // kpool, **self._topk_args(batch * next_n))
+        buffer[:n] = out[_padded_row_index(lens, next_n)]
+        buffer[n:decode_rows] = -1
 
 
 _TOPK_WORKSPACES: dict = {}

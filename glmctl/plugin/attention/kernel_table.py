@@ -14,6 +14,12 @@ from glmctl.plugin.policy import Target
 
 _process_target: Target | None = None
 
+# The indexer's top-k on CUDA, by name (`kpool_topk.NAMED_CONFIGS`): "packed", whose decode
+# call reads vLLM's positions and context lengths and writes every row itself (the decode step
+# is the paged logits and this one launch), or "threshold" / "radix", the previous kernels, with
+# the lengths and the padding rows done by torch ops as before.
+INDEXER_TOPK = "packed"
+
 
 def use_target(target: Target) -> None:
     """The target this process's adapters look their kernels up for (set once, on activation)."""
@@ -25,11 +31,11 @@ def _target() -> Target:
     return _process_target or Target.TORCH
 
 
-def indexer_kernels(target: Target | None = None) -> SimpleNamespace:
+def indexer_kernels(target: Target | None = None, topk: str | None = None) -> SimpleNamespace:
     from glmctl.kernels import indexer_logits_paged as paged
     from glmctl.kernels import indexer_logits_ragged as ragged
     from glmctl.kernels import kpool_cache_write as kw
-    from glmctl.kernels import kpool_topk as topk
+    from glmctl.kernels import kpool_topk as topk_kernels
 
     target = target or _target()
     table = SimpleNamespace(
@@ -40,11 +46,13 @@ def indexer_kernels(target: Target | None = None) -> SimpleNamespace:
         gather_keys=ragged.gather_indexer_keys_ref,
         logits_ragged=ragged.indexer_logits_ragged_ref,
         logits_paged=paged.indexer_logits_paged_ref,
-        topk=topk.kpool_topk_ref,
-        topk_workspace=None,  # Triton only: (max_rows, select_pools, num_sms, device)
+        topk=topk_kernels.kpool_topk_ref,
+        # (logits, positions, context_pools, out, *, kpool, select_pools, valid_rows)
+        topk_decode=topk_kernels.kpool_topk_decode_ref,
+        topk_workspace=None,  # Triton radix only: (max_rows, select_pools, num_sms, device)
     )
     if target is Target.TRITON:
-        _use_triton_indexer(table)
+        _use_triton_indexer(table, topk or INDEXER_TOPK)
     return table
 
 
@@ -68,6 +76,7 @@ def sparse_mla_kernels(target: Target | None = None) -> SimpleNamespace:
     )
     if target is Target.TRITON:
         table.cache_write = cw.mla_cache_write
+        table.rows = sparse_slots.sparse_rows
         table.attention = _out_allocating(pre.sparse_mla_prefill)
         table.decode = dec.sparse_mla_decode
         table.plan_decode = dec.plan_sparse_mla_decode
@@ -90,15 +99,28 @@ def _out_allocating(kernel):
     return call
 
 
-def _use_triton_indexer(table: SimpleNamespace) -> None:
-    """CUDA: glmctl's Triton logits and top-k; vLLM's own Triton kpool cache writes (they need
-    nothing newer than sm_80 and keep the cache bit-identical to vLLM's GPU path), but for the
-    tail seed (see `_vllm_kpool_writes`)."""
+def _use_triton_indexer(table: SimpleNamespace, topk: str) -> None:
+    """CUDA: glmctl's Triton logits and top-k (`topk` names its configuration); vLLM's own
+    Triton kpool cache writes (they need nothing newer than sm_80 and keep the cache
+    bit-identical to vLLM's GPU path), but for the tail seed and the MTP ring (see
+    `_vllm_kpool_writes`)."""
+    from functools import partial
+
     import torch
 
     from glmctl.kernels.indexer_logits_paged import indexer_logits_paged
     from glmctl.kernels.indexer_logits_ragged import indexer_logits_ragged
-    from glmctl.kernels.kpool_topk import kpool_topk, kpool_topk_workspace
+    from glmctl.kernels.kpool_topk import (
+        NAMED_CONFIGS,
+        RADIX,
+        kpool_topk,
+        kpool_topk_decode,
+        kpool_topk_workspace,
+    )
+
+    if topk not in NAMED_CONFIGS:
+        raise ValueError(f"unknown indexer top-k {topk!r}; one of {sorted(NAMED_CONFIGS)}")
+    config = NAMED_CONFIGS[topk]
 
     def logits_ragged(q_fp8, weights, k_fp8, k_scale, row_starts, row_ends):
         out = torch.empty((q_fp8.shape[0], k_fp8.shape[0]), dtype=torch.float32,
@@ -115,8 +137,9 @@ def _use_triton_indexer(table: SimpleNamespace) -> None:
 
     table.logits_ragged = logits_ragged
     table.logits_paged = logits_paged
-    table.topk = kpool_topk
-    table.topk_workspace = kpool_topk_workspace
+    table.topk = partial(kpool_topk, config=config)
+    table.topk_decode = partial(kpool_topk_decode, config=config)
+    table.topk_workspace = kpool_topk_workspace if config is RADIX else None
     table.prefill_write, table.tail_seed, table.decode_update = _vllm_kpool_writes()
 
 
@@ -155,13 +178,14 @@ def _vllm_kpool_writes():
 
     def decode_update(kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions,
                       kpool):
+        # positions: vLLM's int64 (ours reads them as they are; vLLM's kernel takes int32)
         if tail_cache.shape[2] != kpool:  # MTP's longer ring: vLLM's kernel assumes one pool
             kpool_decode_update(kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping,
                                 positions, kpool)
             return
         ops.kpool_decode_update_and_maybe_write_cache_batched(
-            kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping, positions, kpool,
-            k.shape[-1], round_scale=True,
+            kv_cache, tail_cache, tail_slots, k, gate, ape, slot_mapping,
+            positions.to(torch.int32), kpool, k.shape[-1], round_scale=True,
         )
 
     return prefill_write, tail_seed, decode_update
