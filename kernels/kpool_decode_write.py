@@ -13,7 +13,8 @@ kernel addresses position ``p`` at ring slot ``p % ring`` (``ring = tail_cache.s
   pool-granular slot, valid only on a pool's last token; the position), negative = none.
 * ``k``, ``gate``: ``[B, N, 128]`` bf16; ``ape``: ``[kpool, 128]``.
 
-One program per request walks its ``N`` tokens in position order: a token that ends a pool
+One program per request loads its ``N`` tokens' inputs at once, then walks them in position
+order: a token that ends a pool
 (``p % kpool == kpool - 1`` with a valid slot) compresses the pool from the ring and itself,
 then every valid token is stashed in the ring. Compression as the reference (and vLLM): softmax
 over the pool of ``gate + ape`` per channel (max-subtracted, fp32, accumulated in pool order),
@@ -30,6 +31,10 @@ import triton.language as tl
 
 from .fp8_bits import e4m3_bits
 from .layouts import FP8_MAX, INDEXER_HEAD_DIM, INDEXER_ROW_BYTES
+
+# Two warps: the up-front loads of four tokens' keys and gates fit in 128 registers (one warp
+# needs 255, at sm_89's limit; tests/unit/test_kernels_sm89.py).
+DECODE_UPDATE_WARPS = 2
 
 
 @triton.jit
@@ -69,18 +74,35 @@ def _kpool_decode_update_kernel(
     tail_ptr, tail_block_stride, tail_half_stride,
     tail_slot_ptr, k_ptr, k_stride_b, k_stride_t, gate_ptr, gate_stride_b, gate_stride_t,
     ape_ptr, slot_ptr, pos_ptr, next_n,
-    KPOOL: tl.constexpr, RING: tl.constexpr, D: tl.constexpr,
+    KPOOL: tl.constexpr, RING: tl.constexpr, D: tl.constexpr, N_PAD: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
+    # Every token's inputs are loaded up front (one memory round trip, not one per token: the
+    # loop's ring stores would otherwise order each token's loads after the previous token's
+    # stores); the loop picks token t's values out of registers with an exact max.
+    toks = tl.arange(0, N_PAD)
+    live = toks < next_n
+    idx = req * next_n + toks
+    all_pos = tl.load(pos_ptr + idx, mask=live, other=-1).to(tl.int64)
+    all_loc = tl.load(slot_ptr + idx, mask=live, other=-1).to(tl.int64)
+    all_tail = tl.load(tail_slot_ptr + idx, mask=live, other=-1).to(tl.int64)
+    rows = toks[:, None]
+    # keys and gates as their fp32 bit patterns: picking one row by an integer max is exact
+    all_key = tl.load(k_ptr + req * k_stride_b + rows * k_stride_t + d[None, :],
+                      mask=live[:, None], other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    all_gate = tl.load(gate_ptr + req * gate_stride_b + rows * gate_stride_t + d[None, :],
+                       mask=live[:, None], other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
     for t in range(next_n):  # in position order: a completion reads the stashes before it
-        idx = req * next_n + t
-        pos = tl.load(pos_ptr + idx).to(tl.int64)
-        loc = tl.load(slot_ptr + idx).to(tl.int64)
-        tail_slot = tl.load(tail_slot_ptr + idx).to(tl.int64)
+        pick = toks == t
+        pos = tl.max(tl.where(pick, all_pos, -1), axis=0)
+        loc = tl.max(tl.where(pick, all_loc, -1), axis=0)
+        tail_slot = tl.max(tl.where(pick, all_tail, -1), axis=0)
         ring = tail_ptr + (tl.maximum(tail_slot, 0) // RING) * tail_block_stride
-        key = tl.load(k_ptr + req * k_stride_b + t * k_stride_t + d).to(tl.float32)
-        gate = tl.load(gate_ptr + req * gate_stride_b + t * gate_stride_t + d).to(tl.float32)
+        key = tl.max(tl.where(pick[:, None], all_key, -2147483648), axis=0)
+        key = key.to(tl.float32, bitcast=True)
+        gate = tl.max(tl.where(pick[:, None], all_gate, -2147483648), axis=0)
+        gate = gate.to(tl.float32, bitcast=True)
         if (loc >= 0) & (pos >= 0) & (pos % KPOOL == KPOOL - 1):
             first = pos - (KPOOL - 1)
             top = tl.full([D], float("-inf"), tl.float32)
@@ -116,6 +138,7 @@ def _kpool_decode_update_kernel(
             at = (pos % RING) * D
             tl.store(ring + at + d, key.to(tl.bfloat16))
             tl.store(ring + tail_half_stride + at + d, gate.to(tl.bfloat16))
+        tl.debug_barrier()  # the stash visible to every thread before a later token's completion
 
 
 def kpool_decode_update(kv_cache: torch.Tensor, tail_cache: torch.Tensor,
@@ -139,5 +162,6 @@ def kpool_decode_update(kv_cache: torch.Tensor, tail_cache: torch.Tensor,
         tail_cache, tail_cache.stride(0), tail_cache.stride(1),
         tail_slots.contiguous(), k, k.stride(0), k.stride(1), gate, gate.stride(0),
         gate.stride(1), ape.contiguous(), slot_mapping.contiguous(), positions.contiguous(),
-        next_n, KPOOL=kpool, RING=tail_cache.shape[2], D=dim, num_warps=1,
+        next_n, KPOOL=kpool, RING=tail_cache.shape[2], D=dim,
+        N_PAD=triton.next_power_of_2(next_n), num_warps=DECODE_UPDATE_WARPS,
     )

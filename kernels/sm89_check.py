@@ -129,8 +129,9 @@ def shipped_configs():
                 tail_ptr="*bf16", tail_block_stride=i64, tail_half_stride=i64,
                 tail_slot_ptr="*i64", k_ptr="*bf16", k_stride_b=i64, k_stride_t=i64,
                 gate_ptr="*bf16", gate_stride_b=i64, gate_stride_t=i64, ape_ptr="*fp32",
-                slot_ptr="*i64", pos_ptr="*i32", next_n=i32),
-           dict(KPOOL=16, RING=18, D=128), dict(num_warps=1, num_stages=1))
+                slot_ptr="*i64", pos_ptr="*i64", next_n=i32),
+           dict(KPOOL=16, RING=18, D=128, N_PAD=4),
+           dict(num_warps=kpool_decode_write.DECODE_UPDATE_WARPS, num_stages=1))
     block, warps = kpool_topk.TOPK_CONFIG
     topk_types = dict(logits_ptr="*fp32", logits_stride=i64, starts_ptr="*i32", seq_ptr="*i32",
                       cand_val_ptr="*fp32", cand_idx_ptr="*i32", out_ptr="*i32", out_stride=i64,
