@@ -188,7 +188,7 @@ def _topk_packed_configs():
     from . import kpool_topk_packed as packed
     from . import sparse_slots
 
-    yield ("sparse_rows", sparse_slots._sparse_rows_kernel,
+    yield ("sparse_rows", sparse_slots._sparse_mla_rows_kernel,
            dict(idx_ptr="*i32", idx_stride="i64", req_ptr="*i32", bt_ptr="*i32",
                 bt_stride="i64", bt_width="i32", out_ptr="*i32", out_stride="i64",
                 width="i32", block_size="i32", rows_per_block="i32"),

@@ -26,7 +26,7 @@ SPARSE_ROWS_WARPS = 4
 
 
 @triton.jit
-def _sparse_rows_kernel(idx_ptr, idx_stride, req_ptr, bt_ptr, bt_stride, bt_width, out_ptr,
+def _sparse_mla_rows_kernel(idx_ptr, idx_stride, req_ptr, bt_ptr, bt_stride, bt_width, out_ptr,
                         out_stride, width, block_size, rows_per_block, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -52,7 +52,7 @@ def sparse_rows(token_indices: torch.Tensor, req_id_per_token: torch.Tensor,
     if num_tokens == 0 or width == 0:
         return out
     grid = (num_tokens, triton.cdiv(width, SPARSE_ROWS_BLOCK))
-    _sparse_rows_kernel[grid](
+    _sparse_mla_rows_kernel[grid](
         token_indices, token_indices.stride(0), req_id_per_token, block_table,
         block_table.stride(0), block_table.shape[1], out, out.stride(0), width, block_size,
         rows_per_block, BLOCK=SPARSE_ROWS_BLOCK, num_warps=SPARSE_ROWS_WARPS,

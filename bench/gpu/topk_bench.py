@@ -11,8 +11,8 @@ Per cell, on logits the paged indexer kernel computed from a random pool cache:
 * ``rows``: the sparse-MLA backend's positions -> cache rows, torch ops (`sparse_rows_ref`)
   against the Triton kernel (`sparse_rows`), 64-token blocks;
 * ``update``: the MTP ring update (`kpool_decode_update`, 18-slot ring, int64 positions), the
-  kernel the step runs before its selection (measured in vLLM at 4.2 us per call before its
-  loads were hoisted out of the token loop: 59 us per 14 calls, rank-sim profile, H200).
+  kernel the step runs before its selection (to set against the rank-sim profile of main at
+  53eef26 on the H200: 59 us per 14 calls, 4.2 us each, in vLLM at 8x22k).
 Each figure is the median of 7 replays of a CUDA graph holding 20 calls, over 20 (measured,
 torch.cuda.Event). Outputs of new and previous are compared (``agree``). The per-step figures
 multiply by 14 calls (11 indexed-attention layers and the MTP layer's 3 passes): predicted,
