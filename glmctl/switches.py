@@ -141,6 +141,10 @@ SWITCHES: tuple[Switch, ...] = (
        "KDA decode and MTP-verify steps on CUDA: glmctl's one-launch kernel (short conv, delta rule, "
        "gated norm), or vLLM's conv, recurrent and norm kernels", default="auto",
        choices=("auto", "glmctl", "vllm"), shown_default="auto (vllm's)"),
+    Switch("GLMCTL_INDEXER_TOPK", "choice", PLUGIN,
+       "the indexer's top-k on CUDA: packed (one launch per decode layer, no torch glue; sparse MLA's rows "
+       "by Triton) or the threshold / radix kernels with the torch glue",
+       default="auto", choices=("auto", "packed", "threshold", "radix"), shown_default="auto (threshold)"),
     Switch("GLMCTL_MHC", "choice", PLUGIN, "which implementation runs the mHC ops",
        default="auto", choices=("auto", "tilelang", "triton", "torch"),
        shown_default="auto (tilelang on sm_90+ where importable, else triton; torch on CPU)"),

@@ -348,6 +348,6 @@ def _threshold_configs():
 # tests/unit/test_kernels_sm89.py).
 THRESHOLD_CONFIG, TOPK_CANDIDATES = _threshold_configs()
 # What kpool_topk and kpool_topk_decode run without a config; the named choices the plugin's
-# kernel table offers (kernel_table.INDEXER_TOPK).
+# kernel table offers (GLMCTL_INDEXER_TOPK, `kernel_table.indexer_topk`).
 DEFAULT_CONFIG = PACKED_CONFIG
 NAMED_CONFIGS = {"packed": PACKED_CONFIG, "threshold": THRESHOLD_CONFIG, "radix": RADIX}

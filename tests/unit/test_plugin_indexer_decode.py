@@ -120,15 +120,15 @@ def _check_decode_rows(buffer, logits, positions, context, n_dec):
 
 
 @interpreted
-@pytest.mark.parametrize("target", ["TRITON", "TORCH"])
-def test_decode_batch_writes_its_rows_and_the_padding_rows_only(target, monkeypatch):
+@pytest.mark.parametrize("target,topk", [("TRITON", "packed"), ("TRITON", "threshold"), ("TORCH", None)])
+def test_decode_batch_writes_its_rows_and_the_padding_rows_only(target, topk, monkeypatch):
     from glmctl.plugin.attention.kernel_table import indexer_kernels
     from glmctl.plugin.policy import Target
 
     gen = torch.Generator().manual_seed(4)
     meta, cache, positions, q, weights = _batch(gen, [401, 250, 130], next_n=2)
     n_dec, rows = 6, 9  # three padding rows after the batch (a CUDA-graph size)
-    buffer, logits = _run(indexer_kernels(getattr(Target, target)), meta, cache, positions, q,
+    buffer, logits = _run(indexer_kernels(getattr(Target, target), topk=topk), meta, cache, positions, q,
                           weights, rows, monkeypatch)
     _check_decode_rows(buffer, logits, positions, meta.decode.seq_lens, n_dec)
     assert buffer[n_dec:rows].eq(-1).all()
@@ -137,17 +137,25 @@ def test_decode_batch_writes_its_rows_and_the_padding_rows_only(target, monkeypa
 
 
 @interpreted
-def test_mixed_batch_fills_the_rows_the_decode_select_does_not_own(monkeypatch):
+@pytest.mark.parametrize("topk", ["packed", "threshold"])
+def test_mixed_batch_fills_the_rows_the_decode_select_does_not_own(topk, monkeypatch):
     from glmctl.plugin.attention.kernel_table import indexer_kernels
     from glmctl.plugin.policy import Target
 
     gen = torch.Generator().manual_seed(6)
     meta, cache, positions, q, weights = _batch(gen, [300, 170], next_n=1, prefill_tokens=3)
     rows = 7  # 2 decode rows, 3 prefill rows, 2 padding rows
-    buffer, logits = _run(indexer_kernels(Target.TRITON), meta, cache, positions, q, weights,
+    buffer, logits = _run(indexer_kernels(Target.TRITON, topk=topk), meta, cache, positions, q, weights,
                           rows, monkeypatch)
     _check_decode_rows(buffer, logits, positions, meta.decode.seq_lens, 2)
     causal = torch.where(torch.arange(WIDTH)[None, :] <= torch.arange(3)[:, None],
                          torch.arange(WIDTH)[None, :], -1)
     assert torch.equal(buffer[2:5], causal.int())  # the short prefill: every token so far
     assert buffer[5:rows].eq(-1).all() and buffer[rows:].eq(UNTOUCHED).all()
+
+
+def test_the_plugin_keeps_the_threshold_top_k_until_told():
+    from glmctl.plugin.attention.kernel_table import indexer_topk
+
+    assert indexer_topk({}) == "threshold"
+    assert indexer_topk({"GLMCTL_INDEXER_TOPK": "packed"}) == "packed"

@@ -14,11 +14,17 @@ from glmctl.plugin.policy import Target
 
 _process_target: Target | None = None
 
-# The indexer's top-k on CUDA, by name (`kpool_topk.NAMED_CONFIGS`): "packed", whose decode
-# call reads vLLM's positions and context lengths and writes every row itself (the decode step
-# is the paged logits and this one launch), or "threshold" / "radix", the previous kernels, with
-# the lengths and the padding rows done by torch ops as before.
-INDEXER_TOPK = "packed"
+# The indexer's top-k on CUDA, by name (`kpool_topk.NAMED_CONFIGS`; GLMCTL_INDEXER_TOPK):
+# "packed", whose decode call reads vLLM's positions and context lengths and writes every row
+# itself (the decode step is the paged logits and this one launch), with sparse MLA's rows mapped
+# by one Triton launch; or "threshold" / "radix", with the lengths, the padding rows and the rows
+# mapping done by torch ops. auto is "threshold", the kernels the GPU lane has passed, until the
+# packed path has run there.
+def indexer_topk(env=None) -> str:
+    from glmctl import switches
+
+    value = switches.read("GLMCTL_INDEXER_TOPK", env)
+    return "threshold" if value == "auto" else value
 
 
 def use_target(target: Target) -> None:
@@ -52,7 +58,7 @@ def indexer_kernels(target: Target | None = None, topk: str | None = None) -> Si
         topk_workspace=None,  # Triton radix only: (max_rows, select_pools, num_sms, device)
     )
     if target is Target.TRITON:
-        _use_triton_indexer(table, topk or INDEXER_TOPK)
+        _use_triton_indexer(table, topk or indexer_topk())
     return table
 
 
@@ -76,7 +82,8 @@ def sparse_mla_kernels(target: Target | None = None) -> SimpleNamespace:
     )
     if target is Target.TRITON:
         table.cache_write = cw.mla_cache_write
-        table.rows = sparse_slots.sparse_rows
+        if indexer_topk() == "packed":
+            table.rows = sparse_slots.sparse_rows
         table.attention = _out_allocating(pre.sparse_mla_prefill)
         table.decode = dec.sparse_mla_decode
         table.plan_decode = dec.plan_sparse_mla_decode
