@@ -58,6 +58,37 @@ def graph_time(fn, iters=20, reps=5) -> float:
     return best
 
 
+def graph_calls_us(calls, replays: int = 7) -> float:
+    """Microseconds per call: one CUDA graph running every call of ``calls`` once (e.g. one layer's
+    kernel over many layers' weights, so they stream from memory), median of ``replays`` replays
+    over the number of calls."""
+    check_deadline()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (JIT, allocator) outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    times.sort()
+    return times[len(times) // 2] / len(calls)
+
+
 def eager_time(fn, reps=3) -> float:
     fn()
     torch.cuda.synchronize()

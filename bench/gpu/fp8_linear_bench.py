@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from bench.kernels_common import copy_bandwidth, graph_calls_us  # noqa: E402
 
 # (name, N, K, calls per target step, calls per drafter pass) at TP8: 34 KDA, 11 MLA, 3 dense-MLP
 # and 42 MoE layers (shared experts), one MTP layer (MLA + MoE)
@@ -41,49 +42,6 @@ ROUTER_CALLS = (43, 1)
 CELLS = {"8x22k": (32, 8), "1x64k": (4, 1)}  # (target tokens, drafter tokens) per step, MTP-3
 DRAFT_PASSES = 3
 WEIGHT_BYTES_MIN = 256 << 20
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(10):
-        ev[0].record()
-        b.copy_(a)
-        ev[1].record()
-        torch.cuda.synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) / 1e3)
-    return 2 * a.numel() / statistics.median(times)
-
-
-def graph_us(calls) -> float:
-    """Median replay time of a graph running every call once, over the number of calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(7):
-        ev[0].record()
-        graph.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) * 1e3)
-    del graph
-    return statistics.median(times) / len(calls)
 
 
 def router_rows(sizes, bw) -> list[dict]:
@@ -102,7 +60,7 @@ def router_rows(sizes, bw) -> list[dict]:
                             for w, c in zip(weights, counters, strict=True)],
                  "cublas": [lambda x=x, w=w: torch.mm(x, w.t(), out_dtype=torch.float32) for w in weights]}
         for path, calls in paths.items():
-            us = graph_us(calls)
+            us = graph_calls_us(calls)
             byte = 2 * n * k + m * k * 2 + m * n * 4
             rows.append(dict(linear="router", n=n, k=k, m=m, path=path, us=round(us, 2),
                              gb_s=round(byte / us / 1e3, 1), frac_copy=round(byte / us / 1e-6 / bw, 3)))
@@ -121,7 +79,7 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - the bench runs without vLLM, minus the peer
         print(f"marlin unavailable: {exc}")
         MarlinFp8Linear = None
-    bw = copy_bandwidth()
+    bw = copy_bandwidth()[0]
     device = torch.cuda.get_device_name()
     sizes = sorted({m for cell in CELLS.values() for m in cell} | ({8, 32} if args.quick else {2048}))
     if args.quick:
@@ -150,7 +108,7 @@ def main() -> int:
                 paths["marlin"] = [lambda x=x, f=f: f(x) for f in marlins]
             p = fbl.plan(m, n, k)
             for path, calls in paths.items():
-                us = graph_us(calls)
+                us = graph_calls_us(calls)
                 byte = n * k + scales[0].numel() * 4 + m * (k + n) * 2
                 rows.append(dict(linear=name, n=n, k=k, m=m, path=path, us=round(us, 2),
                                  gb_s=round(byte / us / 1e3, 1), frac_copy=round(byte / us / 1e-6 / bw, 3),

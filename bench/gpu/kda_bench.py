@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from bench.kernels_common import copy_bandwidth, graph_calls_us  # noqa: E402
 
 H, D, W, NUM_SPEC, LOWER_BOUND, EPS = 8, 128, 4, 3, -5.0, 1e-5
 LAYERS, REPLAYS = 34, 7
@@ -129,49 +130,6 @@ def step_bytes(layer: dict) -> int:
     return seqs * state + tokens * state + conv + inputs + tokens * H * D * 2
 
 
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(10):
-        ev[0].record()
-        b.copy_(a)
-        ev[1].record()
-        torch.cuda.synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) / 1e3)
-    return 2 * a.numel() / statistics.median(times)
-
-
-def graph_us(calls) -> float:
-    """Median replay time of a graph running every call once, over the number of calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(REPLAYS):
-        ev[0].record()
-        graph.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) * 1e3)
-    del graph
-    return statistics.median(times) / len(calls)
-
-
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
@@ -194,7 +152,7 @@ def cell_rows(cell: str, seqs: int, bw: float) -> list[dict]:
         check = clone_caches(probe)
         fn(check)
         err = max_rel(check["out"][0], want)
-        us = graph_us([lambda L=L, fn=fn: fn(L) for L in layers])
+        us = graph_calls_us([lambda L=L, fn=fn: fn(L) for L in layers], REPLAYS)
         rows.append(dict(cell=cell, path=name, us=round(us, 2), per_step_us=round(LAYERS * us, 1),
                          bytes=nbytes, gb_s=round(nbytes / us / 1e3, 1),
                          frac_copy=round(nbytes / (us * 1e-6) / bw, 3), max_rel=float(f"{err:.2e}")))
@@ -207,7 +165,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "kda-bench.json"))
     args = ap.parse_args()
     start = time.time()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth()[0]
     device = torch.cuda.get_device_name()
     rows = []
     for cell, seqs in CELLS.items():
