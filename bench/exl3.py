@@ -152,9 +152,8 @@ def select(patterns: str, names: list[str]) -> list[str]:
 
 
 def all_names() -> list[str]:
-    from moe_fp8_vllm import SWEEP
-
     from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
+    from moe_fp8_vllm import SWEEP
 
     return (list(EXL3_PATH_NAMES) + [f"exl3_triton.{c}" for c in DECODE_CONFIGS] + ["fp8_torch", "bf16_torch"]
             + [f"{p}.{c}" for p in ("fp8_vllm", "fp8_vllm_k") for c in ["vllm_default"] + [s.name for s in SWEEP]])

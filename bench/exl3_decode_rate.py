@@ -92,7 +92,6 @@ def _kernel():
     if not _jitted:
         import triton
         import triton.language
-
         from glmctl.kernels.exl3_moe_decode import _run_gemv as run_gemv
         from glmctl.kernels.exl3_trellis import block_offsets as offsets
 

@@ -62,9 +62,8 @@ def _triton(a, module=None, decode=None):
 
 
 def _torch(a):
-    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch, mhc_pre_torch
-
     from glmctl.kernels.mhc_pre_post import rms_norm_ref
+    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch, mhc_pre_torch
 
     def run():
         cur = mhc_post_torch(a["x"], a["residual"], a["post"], a["comb"])

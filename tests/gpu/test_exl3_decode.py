@@ -38,7 +38,6 @@ def layer():
     """Random 4-bit trellis experts at the TP8 slice shape and their fp32 dequantised weights
     (the format's reference decode, once)."""
     import torch
-
     from glmctl.kernels.exl3_moe_decode import dequantize_ref
 
     g = torch.Generator().manual_seed(11)
@@ -82,7 +81,6 @@ def _rel(a, b) -> float:
 
 def _run(layer, x, ids, w, config=None, ws=None):
     import torch
-
     from glmctl.kernels.exl3_moe_decode import DecodeWorkspace, exl3_moe_decode
 
     projs, _ = layer
@@ -95,7 +93,6 @@ def _run(layer, x, ids, w, config=None, ws=None):
 def test_inline_block_decode_is_the_reference_bit_for_bit(affine):
     """The inline-PTX decode (raw integers; exllamav3's fp16 values) of 1024 tiles."""
     import torch
-
     from glmctl.kernels import exl3_trellis as tr
 
     trellis = torch.randint(-2**15, 2**15, (64, 16, 64), dtype=torch.int16,
@@ -120,7 +117,6 @@ def test_default_configs_match_the_dequantised_reference(layer, tokens):
 @pytest.mark.parametrize("config", ["split4_k128", "split4_s2"])  # the round's sweep (the defaults: above)
 def test_benchmarked_configs_match_the_dequantised_reference(layer, config):
     import torch
-
     from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
 
     x, ids, w = _routing(torch, 8, 100)
@@ -147,7 +143,6 @@ def test_heavy_expert_runs_and_determinism(layer):
 @pytest.mark.parametrize("tokens", [8, 32])
 def test_captured_graph_replays_with_new_routing(layer, tokens):
     import torch
-
     from glmctl.kernels.exl3_moe_decode import DecodeWorkspace
 
     x, ids, w = _routing(torch, tokens, 50)

@@ -94,6 +94,7 @@ def test_pre_and_post_match_vllm_torch_functions(t):
 def test_registered_ops_keep_the_callers_shape():
     pytest.importorskip("vllm")
     from glmctl.kernels import mhc_pre_post
+
     from glmctl.plugin.mhc import mhc_ops
 
     mhc_ops.register()

@@ -16,6 +16,7 @@ if importlib.util.find_spec("triton") is None:  # found, not imported: see the i
     pytest.skip("needs triton", allow_module_level=True)
 
 from glmctl.kernels.triton_env import import_interpreted  # noqa: E402
+
 from tests.unit import exl3_ptx_emulator as ptx  # noqa: E402
 
 # through the interpreter when triton is not loaded yet, so that this file does not switch the

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from glmctl.kernels.triton_env import import_interpreted, run_in_fresh_interpreter_process  # noqa: E402
+
 from tests.unit.triton_bounds import OutOfBounds, bounds_checked  # noqa: E402
 
 _modules = import_interpreted("glmctl.kernels.exl3_trellis", "glmctl.kernels.exl3_moe_rotate",
