@@ -18,6 +18,7 @@ from glmctl.plan.prediction.node_prediction import (
     load_measured_run,
     predict_node,
 )
+from glmctl.plan.prediction.node_prefill import floor_s
 
 BREAKDOWN = {"mla_attention": 800.0, "indexer": 900.0, "kda": 1200.0, "routed_experts": 4500.0,
              "shared_dense_mlp": 400.0, "norms_mhc": 600.0, "sampler_mtp": 1100.0, "launch_gaps": 500.0}
@@ -139,17 +140,38 @@ def test_fallback_collective_model_is_latency_bound_for_decode_and_link_bound_be
     assert "assumed" in f.label
 
 
-def test_prefill_grows_the_indexer_with_context(run):
+def test_prefill_chunks_take_the_roofline_at_their_context(run):
+    from glmctl.plan.prediction.node_records import (
+        TARGET_COMPUTE_EFFICIENCY,
+        TARGET_COPY_EFFICIENCY,
+    )
+    from glmctl.plan.prediction.prefill_work import chunk_work
+
     pred = predict_node(run, time_model=_free_collectives)
     one, queue = pred.prefill
     assert one.prompt_tokens == 262_144 and one.report_s == (57.0, 72.0)
-    chunks = 262_144 // 2048
-    bf16 = 724.0 / 181.05
-    fixed = (30_000.0 + 40_000.0) * bf16 + 1_000.0  # per chunk, µs
-    # indexer (fp8, 2x bf16 assumed on the stand-in) grows linearly: mean context 131k of 241k
-    indexer = 60_000.0 * (2 * 724.0 / 362.1) * sum((i * 2048 + 1024) / (240_000 + 1024) for i in range(chunks))
-    assert one.predicted_ttft_s == pytest.approx((chunks * fixed + indexer) * 1e-6, abs=0.1)
-    assert queue.label.endswith("prefilled one after another")
+    model = load_model_spec("glm-5.3-flash")
+    bf16, fp8, bw = 181.05e12 * TARGET_COMPUTE_EFFICIENCY, 362.1e12 * TARGET_COMPUTE_EFFICIENCY, 864e9 * TARGET_COPY_EFFICIENCY
+    rate = {"mla_attention": bf16, "routed_experts": bf16, "indexer": fp8}
+    measured = SYNTHETIC["prefill"]["breakdown_us"]
+    total = 0.0
+    for start in range(0, 262_144, 2048):
+        work = chunk_work(model, start, 2048)
+        grow = (start + 1024) / (240_000 + 1024)  # the indexer's stand-in time grows with the context
+        for kind, us in measured.items():
+            if kind == "launch_gaps":
+                total += us
+                continue
+            flops, nbytes = work[kind]
+            floor = max(flops / rate[kind], nbytes / bw) * 1e6
+            total += max(floor, us * (grow if kind == "indexer" else 1.0))
+    assert one.predicted_ttft_s == pytest.approx(total * 1e-6, abs=0.1)
+    # the total rests on both sides of the max: some chunks' kinds at their floor, some at the stand-in
+    floors = [max(chunk_work(model, s, 2048)[k][0] / rate[k], chunk_work(model, s, 2048)[k][1] / bw) * 1e6
+              for s in (0, 250_000) for k in ("mla_attention", "routed_experts", "indexer")]
+    assert any(f > measured[k] for f, k in zip(floors, ["mla_attention", "routed_experts", "indexer"] * 2, strict=True))
+    assert any(f < measured[k] for f, k in zip(floors, ["mla_attention", "routed_experts", "indexer"] * 2, strict=True))
+    assert "roofline per kind" in one.label and queue.label.endswith("prefilled one after another")
 
 
 def test_bad_measurement_files_say_what_is_wrong(tmp_path):
@@ -221,8 +243,13 @@ def test_rank_sim_records_become_cells_reference_and_prefill(tmp_path):
     assert pred.cells[0].report_tok_s == 704.0  # 227k is the report's ~240k column
     one, queue = pred.prefill
     ratio = 724.0 / 181.05
-    assert one.predicted_ttft_s == pytest.approx(30.0 * ratio, abs=0.1) and one.prompt_tokens == 256_000
-    assert queue.predicted_ttft_s == pytest.approx(180.0 * ratio, abs=0.1) and queue.report_s == (220.0, 220.0)
+    floor = floor_s(run, load_model_spec("glm-5.3-flash"), L40_DATASHEET, 256_000)
+    queue_floor = 8 * floor_s(run, load_model_spec("glm-5.3-flash"), L40_DATASHEET, 227_000)
+    # the longer of the measured time and the L40's floor; the range's top end all compute-bound
+    assert one.predicted_ttft_s == pytest.approx(max(30.0, floor), abs=0.1) and one.prompt_tokens == 256_000
+    assert one.range_s == pytest.approx((max(30.0, floor), max(30.0 * ratio, floor)), abs=0.1)
+    assert queue.predicted_ttft_s == pytest.approx(max(180.0, queue_floor), abs=0.1)
+    assert queue.report_s == (220.0, 220.0)
 
 
 def test_rank_sim_records_without_any_step_are_refused(tmp_path):
@@ -283,11 +310,15 @@ def test_prefill_from_queue_gaps_is_extrapolated_to_the_reports_prompts(tmp_path
     one, queue = predict_node(run, time_model=_free_collectives).prefill
     ratio = 724.0 / 181.05
     h200_256k = 10.0 * 125 / 32  # 64,000 tokens = 32 chunks of 2,048; 256,000 = 125
-    assert one.prompt_tokens == 256_000 and one.predicted_ttft_s == pytest.approx(h200_256k * ratio, abs=0.1)
-    assert one.range_s == pytest.approx((h200_256k, h200_256k * ratio), abs=0.1)
+    floor = floor_s(run, load_model_spec("glm-5.3-flash"), L40_DATASHEET, 256_000)
+    assert 10.0 < floor < 30.0  # 125 chunks of ~11-14 TFLOP at ~144 TFLOP/s, bytes beside
+    assert one.prompt_tokens == 256_000 and one.predicted_ttft_s == pytest.approx(max(h200_256k, floor), abs=0.1)
+    assert one.range_s == pytest.approx((max(h200_256k, floor), h200_256k * ratio), abs=0.1)
     assert "extrapolated linearly in chunks" in one.label and one.report_s == (57.0, 72.0)
     assert queue.prompt_tokens == 8 * 227_000
-    assert queue.predicted_ttft_s == pytest.approx(80.0 * (8 * 111) / (8 * 32) * ratio, abs=0.1)
+    queue_s = 80.0 * (8 * 111) / (8 * 32)
+    queue_floor = 8 * floor_s(run, load_model_spec("glm-5.3-flash"), L40_DATASHEET, 227_000)
+    assert queue.predicted_ttft_s == pytest.approx(max(queue_s, queue_floor), abs=0.1)
 
 
 def test_cli_predict_prints_cells_measured_whole(run_cli, tmp_path):

@@ -154,8 +154,9 @@ def predict_node(run: MeasuredRun, model: ModelSpec | None = None, target: Devic
         calls = cell.collectives or decode_step_collectives(model, run.tp, cell.sessions,
                                                             parse_speculative(spec).num_tokens)
         coll = collectives_us(calls, run.tp, time_model)
-        need = step_bytes(model, cell.sessions, cell.context_tokens, parse_speculative(spec).num_tokens,
-                          cell.experts or run.experts, run.tp)
+        need = {kind: (0.0, nbytes) for kind, nbytes in step_bytes(
+            model, cell.sessions, cell.context_tokens, parse_speculative(spec).num_tokens,
+            cell.experts or run.experts, run.tp).items()}
         kinds, basis, extra = _cell_kinds(cell, shares_of, bounds, run, target, coll, acceptance[spec], spec, need)
         step = sum(k.predicted_us for k in kinds) + coll
         tok_s = cell.sessions * acceptance[spec] / (step * 1e-6)
@@ -225,19 +226,19 @@ def _rounded(x: float | None) -> float | None:
 
 def _cell_kinds(cell: StepCell, shares_of: StepCell | None, bounds: dict, run: MeasuredRun, target: DeviceFigures,
                 coll: float, tokens_per_step: float, spec: str,
-                need: dict[str, float]) -> tuple[list[KindLine], str, dict]:
+                need: dict[str, tuple[float, float]]) -> tuple[list[KindLine], str, dict]:
     """The cell's kinds scaled to the target, the basis in words, and (cells measured whole) the
     range fields of `CellPrediction`."""
     where = f"cell {cell.sessions} x {cell.context_tokens:,} {spec}"
     if cell.breakdown_us:
-        return scaled_kinds(cell.breakdown_us, bounds, run.device, target, step_bytes=need), "its own breakdown", {}
+        return scaled_kinds(cell.breakdown_us, bounds, run.device, target, work=need), "its own breakdown", {}
     if not cell.step_us:
         raise ConfigError(f"{where} has neither step_us nor breakdown_us")
     if shares_of is not None:
         total = sum(shares_of.breakdown_us.values())
         breakdown = {k: v / total * cell.step_us for k, v in shares_of.breakdown_us.items()}
         basis = f"its measured step x the {shares_of.sessions} x {shares_of.context_tokens:,} breakdown's shares"
-        return scaled_kinds(breakdown, bounds, run.device, target, step_bytes=need), basis, {}
+        return scaled_kinds(breakdown, bounds, run.device, target, work=need), basis, {}
     a = run.whole_step
     r = bound_ratio(run.device, target, a.bound)
     ends = tuple(round(whole.tok_s_at(s, cell.step_us, r, coll, cell.sessions, tokens_per_step), 1)

@@ -67,12 +67,18 @@ TARGET_COPY_EFFICIENCY = 4.3 / 4.8
 # 142 SMs x 2.49 GHz, datasheet boost clocks). The prediction takes x1; the range shows x0.74.
 NON_BANDWIDTH_RATIO = 1.0
 NON_BANDWIDTH_RATIO_LOW = (132 * 1.98) / (142 * 2.49)
+# A prefill chunk's kinds whose FLOPs and bytes `prefill_work.chunk_work` models take the roofline
+# too, their FLOPs at the target's tensor rate (the indexer's at the FP8 rate) beside their bytes.
 PREFILL_BOUNDS: dict[str, Bound] = {
-    **{k: "compute_bf16" for k in ("mla_attention", "kda", "routed_experts", "shared_dense_mlp", "dense_gemm")},
-    "indexer": "compute_fp8",
-    **{k: "bandwidth" for k in ("norms_mhc", "sampler_mtp", "sampler", "memcpy", "other")},
-    **{k: "launch" for k in _NOT_SCALED},
+    **{k: "roofline" for k in ROOFLINE_KINDS},
+    "shared_dense_mlp": "compute_bf16",
+    **{k: "bandwidth" for k in ("sampler_mtp", "sampler", "memcpy", "other")},
+    **{k: "launch" for k in (*_NOT_SCALED, "torch_glue", "activation", "runner")},
 }
+ROOFLINE_COMPUTE: dict[str, Bound] = {"indexer": "compute_fp8"}  # other roofline kinds: compute_bf16
+# A tensor GEMM reaches this share of the target's datasheet rate, taken as the stand-in's: the
+# H200's measured 788 TFLOP/s (8192^3 bf16) of its datasheet ~990.
+TARGET_COMPUTE_EFFICIENCY = 788.0 / 990.0
 UNKNOWN_KIND_BOUND: Bound = "bandwidth"
 # Kinds whose prefill cost grows with the context already cached: the indexer scores every pooled
 # key; sparse MLA reads a fixed top-k, KDA and the MLPs do not look back.
@@ -189,8 +195,9 @@ class KindLine(BaseModel):
     bound: Bound
     ratio: float  # predicted / measured
     predicted_us: float
-    bytes: float | None = None  # roofline kinds: the bytes the kind must move per step
-    floor_us: float | None = None  # roofline kinds: those bytes at the target's bandwidth
+    bytes: float | None = None  # roofline kinds: the bytes the kind must move per step (or chunk)
+    flops: float | None = None  # roofline kinds of a prefill chunk: the FLOPs it must do
+    floor_us: float | None = None  # roofline kinds: the longer of those bytes and FLOPs at the target's rates
 
 
 class CellPrediction(BaseModel):
@@ -242,26 +249,34 @@ def bound_ratio(stand_in: DeviceFigures, target: DeviceFigures, bound: Bound) ->
 
 
 def roofline_us(measured_us: float, nbytes: float, target: DeviceFigures,
-                other_ratio: float = NON_BANDWIDTH_RATIO) -> tuple[float, float]:
-    """(predicted µs, floor µs): the bytes at the target's copy bandwidth, or the stand-in's time x
-    `other_ratio` where that is longer."""
+                other_ratio: float = NON_BANDWIDTH_RATIO, flops: float = 0.0,
+                compute: Bound = "compute_bf16") -> tuple[float, float]:
+    """(predicted µs, floor µs): the floor is the longer of the bytes at the target's copy
+    bandwidth and the FLOPs at its tensor rate (`compute`); the prediction is the floor, or the
+    stand-in's time x `other_ratio` where that is longer."""
     floor = nbytes / (target.memory_bandwidth_gbps * 1e9 * TARGET_COPY_EFFICIENCY) * 1e6
+    if flops:
+        floor = max(floor, flops / (target.throughput(compute) * 1e12 * TARGET_COMPUTE_EFFICIENCY) * 1e6)
     return max(floor, measured_us * other_ratio), floor
 
 
 def scaled_kinds(breakdown: dict[str, float], bounds: dict[str, Bound], stand_in: DeviceFigures,
                  target: DeviceFigures, factor: Callable[[str], float] = lambda kind: 1.0,
-                 step_bytes: dict[str, float] | None = None,
+                 work: dict[str, tuple[float, float]] | None = None,
                  other_ratio: float = NON_BANDWIDTH_RATIO) -> list[KindLine]:
-    """Each kind scaled by what bounds it; a roofline kind without modelled bytes is scaled as
-    bandwidth-bound (its whole stand-in time by the bandwidth ratio)."""
+    """Each kind scaled by what bounds it. A roofline kind takes its modelled `work` (FLOPs, bytes;
+    `factor` scales its stand-in time, e.g. with the context); one without modelled work is scaled
+    as bandwidth-bound (its whole stand-in time by the bandwidth ratio)."""
     lines = []
     for kind, us in breakdown.items():
         bound = bounds.get(kind, UNKNOWN_KIND_BOUND)
-        if bound == "roofline" and step_bytes and step_bytes.get(kind):
-            predicted, floor = roofline_us(us, step_bytes[kind], target, other_ratio)
+        flops, nbytes = (work or {}).get(kind, (0.0, 0.0))
+        if bound == "roofline" and (flops or nbytes):
+            stand_in_us = us * factor(kind)
+            predicted, floor = roofline_us(stand_in_us, nbytes, target, other_ratio, flops,
+                                           ROOFLINE_COMPUTE.get(kind, "compute_bf16"))
             lines.append(KindLine(kind=kind, measured_us=us, bound=bound, ratio=round(predicted / us, 4) if us else 1.0,
-                                  predicted_us=predicted, bytes=step_bytes[kind], floor_us=round(floor, 1)))
+                                  predicted_us=predicted, bytes=nbytes, flops=flops or None, floor_us=round(floor, 1)))
             continue
         if bound == "roofline":
             bound = "bandwidth"
