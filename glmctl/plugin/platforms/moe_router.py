@@ -55,7 +55,8 @@ def register_op() -> None:
 
 def takes(gate, x: Tensor) -> bool:
     """The calls glmctl's op computes exactly as vLLM's cuBLAS tier does (bf16 in, fp32 out)."""
-    return (getattr(gate, "glmctl_router_counters", None) is not None and x.dim() == 2
+    counters = getattr(gate, "glmctl_router_counters", None)
+    return (counters is not None and counters.device == x.device and x.dim() == 2
             and x.dtype == torch.bfloat16 and gate.weight.dtype == torch.bfloat16
             and gate.out_dtype == torch.float32 and gate.bias is None)
 
