@@ -34,11 +34,14 @@ SCRIPT = textwrap.dedent("""
     gates = (1e-6, 1e-6, 1e-6, 2.0, 20)
     ops = torch.ops.glmctl
     real = ops.mhc_fused_post_pre(x, res, post, comb, fn, scale, base, *gates, w, 1e-5, [1, 3])
-    want = mhc_pre_post.mhc_fused_post_pre(x, res, post, comb, fn, scale, base, *gates, w, 1e-5)
+    # the ops run the decode path GLMCTL_MHC_DECODE chose when they were registered
+    want = mhc_pre_post.mhc_fused_post_pre(x, res, post, comb, fn, scale, base, *gates, w, 1e-5,
+                                           decode=mhc_ops._decode)
     assert [tuple(a.shape) for a in real] == [(1, 3, n, h), (1, 3, n, 1), (1, 3, n, n), (1, 3, h)]
     assert all(torch.equal(a.reshape(b.shape), b) for a, b in zip(real, want))
     pre = ops.mhc_pre(res, fn, scale, base, *gates, None, 0.0, [3])
-    assert all(torch.equal(a, b) for a, b in zip(pre, mhc_pre_post.mhc_pre(res, fn, scale, base, *gates)))
+    assert all(torch.equal(a, b) for a, b in zip(pre, mhc_pre_post.mhc_pre(res, fn, scale, base, *gates,
+                                                                           decode=mhc_ops._decode)))
     assert torch.equal(ops.mhc_post(x, res, post, comb, [3]), mhc_pre_post.mhc_post(x, res, post, comb))
     with FakeTensorMode() as mode:
         fake = ops.mhc_fused_post_pre(*(mode.from_tensor(v) for v in (x, res, post, comb, fn,
