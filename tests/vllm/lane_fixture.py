@@ -1,7 +1,8 @@
 """The CPU lane's committed prompt log-probabilities of the tiny checkpoint, which the gpu lane
 compares vLLM on CUDA against (tests/vllm/test_cpu_lane_fixture.py writes and checks the file).
 
-    tests/vllm/fixtures/cpu-lane-logprobs.json
+    tests/vllm/fixtures/cpu-lane-logprobs.json          (AMX hosts; the gpu lane's reference)
+    tests/vllm/fixtures/cpu-lane-logprobs-<isa>.json    (other hosts' CPU lane: same prompts)
     {"checkpoint": {"seed": 0, "weights_sha256": ...}, "made_with": {...},
      "prompts": {name: {"text": ..., "ids": [...]}},
      "transformers": {"float32": {name: [log p, ...]}, "bfloat16": {...}},
@@ -21,6 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
+# Written on a CPU with AMX tiles (the hosts CI runs on): the file the gpu lane compares against.
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "cpu-lane-logprobs.json"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_ds_mla")
 
@@ -66,6 +68,23 @@ def tokenize(checkpoint: str | Path, texts: dict[str, str] | None = None) -> dic
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint))
     return {name: list(tok(text)["input_ids"]) for name, text in (texts or PROMPTS).items()}
+
+
+def host_isa() -> str:
+    """The CPU kernels vLLM CPU runs here: "amx" where AMX tiles exist (its AMX GEMMs and MLA), else
+    torch's CPU capability ("avx512", "avx2", ...): each rounds differently."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
+def host_fixture(isa: str | None = None) -> Path:
+    """The fixture this host's CPU lane is checked against: FIXTURE on AMX hosts, else one of the
+    same prompts written on a host of that ISA (`cpu-lane-logprobs-<isa>.json`)."""
+    isa = isa or host_isa()
+    return FIXTURE if isa == "amx" else FIXTURE.with_name(f"{FIXTURE.stem}-{isa}.json")
 
 
 def load(path: Path = FIXTURE) -> dict:
