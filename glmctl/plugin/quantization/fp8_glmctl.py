@@ -127,7 +127,8 @@ class GlmctlFp8LinearMethod(BlockFp8Weights, LinearMethodBase):
 
         replace_parameter(layer, "weight", layer.weight.data.contiguous())
         replace_parameter(layer, "weight_scale_inv", layer.weight_scale_inv.data.float().contiguous())
-        layer.glmctl_fp8_counters = new_counters(layer.weight.device)
+        # a buffer, so torch.compile and module moves treat it as the layer's state
+        layer.register_buffer("glmctl_fp8_counters", new_counters(layer.weight.device), persistent=False)
         register_op()
         _log_once()
 
