@@ -57,7 +57,7 @@ from .kpool_topk_packed import (
     launch_kpool_topk_packed,
     packed_capacity,
 )
-from .kpool_topk_select import _order_key, _select_and_write, _threshold
+from .kpool_topk_select import _order_key, _select_and_write, _threshold, _write_tail_and_padding
 from .kpool_topk_threshold import (
     ThresholdTopkConfig,
     launch_kpool_topk_threshold,
@@ -150,13 +150,7 @@ def _kpool_topk_kernel(
     else:
         _select_and_write(row_logits, cand_idx_ptr, n, out_row, False, KPOOL, SELECT, BLOCK)
 
-    tail = tl.arange(0, TAIL)
-    tail_tok = n * KPOOL + tail
-    tl.store(out_row + SELECT * KPOOL + tail, tl.where(tail_tok < seq, tail_tok, -1),
-             mask=tail < KPOOL - 1)
-    for c0 in range(SELECT * KPOOL + KPOOL - 1, out_width, BLOCK):
-        col = c0 + lane
-        tl.store(out_row + col, tl.full([BLOCK], -1, tl.int32), mask=col < out_width)
+    _write_tail_and_padding(out_row, n, seq, out_width, KPOOL, SELECT, TAIL, BLOCK)
 
 
 @dataclass(frozen=True)

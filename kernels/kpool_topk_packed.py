@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kpool_topk_select import _select_and_write
+from .kpool_topk_select import _select_and_write, _write_tail_and_padding, scratch_capacity
 
 INT_MIN = tl.constexpr(-2147483648)
 LANES = tl.constexpr(0x0001000100010001)  # a one in each 16-bit lane of an int64
@@ -207,13 +207,7 @@ def _kpool_topk_packed_kernel(
         else:
             _select_and_write(row_logits, seq_ptr, n, out_row, False, KPOOL, SELECT, 1024)
 
-    tail = tl.arange(0, TAIL)
-    tail_tok = n * KPOOL + tail
-    tl.store(out_row + SELECT * KPOOL + tail, tl.where(tail_tok < seq, tail_tok, -1),
-             mask=tail < KPOOL - 1)
-    for c0 in range(SELECT * KPOOL + KPOOL - 1, out_width, BLOCK):
-        col = c0 + lane
-        tl.store(out_row + col, tl.full([BLOCK], -1, tl.int32), mask=col < out_width)
+    _write_tail_and_padding(out_row, n, seq, out_width, KPOOL, SELECT, TAIL, BLOCK)
 
 
 def packed_capacity(config: PackedTopkConfig, select_pools: int, kpool: int) -> int:
@@ -221,9 +215,7 @@ def packed_capacity(config: PackedTopkConfig, select_pools: int, kpool: int) -> 
     the first ``select_pools * kpool`` output columns; 0 when that leaves fewer than
     ``select_pools`` or the config's columns cannot bound ``select_pools`` (the caller then
     uses another kernel)."""
-    cap = min(config.cap, MAX_COUNTED)
-    while cap > 1 and 2 * cap > select_pools * kpool:
-        cap //= 2
+    cap = scratch_capacity(min(config.cap, MAX_COUNTED), select_pools, kpool)
     fits = cap >= select_pools and select_pools <= config.cols <= MAX_COUNTED
     return cap if fits else 0
 

@@ -1,12 +1,21 @@
-"""The radix select both kpool top-k kernels use (:mod:`.kpool_topk` and, for the rows whose
-candidates overflow, :mod:`.kpool_topk_threshold`): logits as order-preserving 32-bit keys, the
-k-th largest key by four 8-bit digit histograms, and the write of the chosen pools as token ranges
-in pool order (ties to the lowest pools)."""
+"""The radix select the kpool top-k kernels use (:mod:`.kpool_topk` and, for the rows whose
+candidates overflow, :mod:`.kpool_topk_threshold` and :mod:`.kpool_topk_packed`): logits as
+order-preserving 32-bit keys, the k-th largest key by four 8-bit digit histograms, the write of
+the chosen pools as token ranges in pool order (ties to the lowest pools), and the row's tail and
+padding every kernel writes after them."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+def scratch_capacity(cap: int, select_pools: int, kpool: int) -> int:
+    """``cap`` halved until the candidates' scratch (pools and keys) fits in the first
+    ``select_pools * kpool`` output columns, where it lives until the output overwrites it."""
+    while cap > 1 and 2 * cap > select_pools * kpool:
+        cap //= 2
+    return cap
 
 
 @triton.jit
@@ -83,3 +92,18 @@ def _select_and_write(vals_ptr, idx_ptr, count, out_row, HAS_IDX: tl.constexpr,
         tl.store(out_row + pos[:, None] * KPOOL + sub[None, :], tokens, mask=take[:, None])
         written += tl.sum(take.to(tl.int32), axis=0)
         ties_seen += tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _write_tail_and_padding(out_row, n, seq, out_width, KPOOL: tl.constexpr, SELECT: tl.constexpr,
+                            TAIL: tl.constexpr, BLOCK: tl.constexpr):
+    """After the SELECT chosen pools: the query's own incomplete pool (tokens n * KPOOL .. seq - 1,
+    -1 beyond), then -1 up to the row's width."""
+    tail = tl.arange(0, TAIL)
+    tail_tok = n * KPOOL + tail
+    tl.store(out_row + SELECT * KPOOL + tail, tl.where(tail_tok < seq, tail_tok, -1),
+             mask=tail < KPOOL - 1)
+    lane = tl.arange(0, BLOCK)
+    for c0 in range(SELECT * KPOOL + KPOOL - 1, out_width, BLOCK):
+        col = c0 + lane
+        tl.store(out_row + col, tl.full([BLOCK], -1, tl.int32), mask=col < out_width)

@@ -31,7 +31,12 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .kpool_topk_select import _order_key, _select_and_write
+from .kpool_topk_select import (
+    _order_key,
+    _select_and_write,
+    _write_tail_and_padding,
+    scratch_capacity,
+)
 
 
 @dataclass(frozen=True)
@@ -150,23 +155,16 @@ def _kpool_topk_threshold_kernel(
         else:
             _select_and_write(row_logits, seq_ptr, n, out_row, False, KPOOL, SELECT, BLOCK)
 
-    tail = tl.arange(0, TAIL)
-    tail_tok = n * KPOOL + tail
-    tl.store(out_row + SELECT * KPOOL + tail, tl.where(tail_tok < seq, tail_tok, -1),
-             mask=tail < KPOOL - 1)
-    for c0 in range(SELECT * KPOOL + KPOOL - 1, out_width, BLOCK):
-        col = c0 + lane
-        tl.store(out_row + col, tl.full([BLOCK], -1, tl.int32), mask=col < out_width)
+    _write_tail_and_padding(out_row, n, seq, out_width, KPOOL, SELECT, TAIL, BLOCK)
 
 
 def threshold_capacity(config: ThresholdTopkConfig, select_pools: int, kpool: int) -> int:
     """The candidate capacity: the config's, halved until the scratch (pools and keys) fits in
     the first ``select_pools * kpool`` output columns; 0 when that leaves fewer than
     ``select_pools`` (the caller then uses the radix kernel)."""
-    cap = config.cap
-    while cap > 1 and 2 * cap > select_pools * kpool:
-        cap //= 2
+    cap = scratch_capacity(config.cap, select_pools, kpool)
     return cap if cap >= select_pools else 0
+
 
 
 def launch_kpool_topk_threshold(logits, seq_lens, out, *, kpool, select_pools, row_starts,
