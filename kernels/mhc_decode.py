@@ -391,6 +391,24 @@ def sinkhorn_repeat(value) -> int:
     return repeat
 
 
+def block_outputs(residual: torch.Tensor, with_post: bool):
+    """(residual_cur, post [T, n, 1] fp32, comb [T, n, n] fp32, layer input [T, H] bf16) of one
+    block, allocated; residual_cur is the residual itself without a post block."""
+    t, n, h = residual.shape
+    dev = residual.device
+    return (torch.empty_like(residual) if with_post else residual,
+            torch.empty(t, n, 1, dtype=torch.float32, device=dev),
+            torch.empty(t, n, n, dtype=torch.float32, device=dev),
+            torch.empty(t, h, dtype=torch.bfloat16, device=dev))
+
+
+def post_operands(x, post_mix, comb_mix, t: int, n: int):
+    """The post block's inputs as the kernels read them: x contiguous, the gates fp32 [T, n] and
+    [T, n, n]."""
+    return (x.contiguous(), post_mix.reshape(t, n).float().contiguous(),
+            comb_mix.reshape(t, n, n).float().contiguous())
+
+
 def fused_block(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
                 hc_sinkhorn_eps, hc_post_mult_value, repeat, norm_weight, norm_eps,
                 cfg: FusedConfig, count: torch.Tensor):
@@ -404,19 +422,13 @@ def fused_block(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps,
                          f"{count.numel()} exist")
     splits, per_split = cfg.plan(h)
     pad = mix_pad(n)
-    dev = residual.device
     with_post = x is not None
-    part = torch.empty(splits, t, pad, dtype=torch.float32, device=dev)
-    cur = torch.empty_like(residual) if with_post else residual
-    post_out = torch.empty(t, n, 1, dtype=torch.float32, device=dev)
-    comb_out = torch.empty(t, n, n, dtype=torch.float32, device=dev)
-    lin = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    part = torch.empty(splits, t, pad, dtype=torch.float32, device=residual.device)
+    cur, post_out, comb_out, lin = block_outputs(residual, with_post)
     if t == 0:
         return cur, post_out, comb_out, lin
     if with_post:
-        x = x.contiguous()
-        post_mix = post_mix.reshape(t, n).float().contiguous()
-        comb_mix = comb_mix.reshape(t, n, n).float().contiguous()
+        x, post_mix, comb_mix = post_operands(x, post_mix, comb_mix, t, n)
     fin_h = min(triton.next_power_of_2(h), cfg.fin_h)
     has_norm = norm_weight is not None
     _mhc_block_kernel[(groups, splits)](

@@ -246,16 +246,11 @@ def _launch(residual, x, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, hc_
     dev = residual.device
     part = torch.empty(splits, t, pad, dtype=torch.float32, device=dev)
     sq = torch.empty(splits, t, dtype=torch.float32, device=dev)
-    cur = torch.empty_like(residual) if with_post else residual
-    post_out = torch.empty(t, n, 1, dtype=torch.float32, device=dev)
-    comb_out = torch.empty(t, n, n, dtype=torch.float32, device=dev)
-    lin = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    cur, post_out, comb_out, lin = mhc_decode.block_outputs(residual, with_post)
     if t == 0:
         return cur, post_out, comb_out, lin
     if with_post:
-        x = x.contiguous()
-        post_mix = post_mix.reshape(t, n).float().contiguous()
-        comb_mix = comb_mix.reshape(t, n, n).float().contiguous()
+        x, post_mix, comb_mix = mhc_decode.post_operands(x, post_mix, comb_mix, t, n)
     _mix_partials_kernel[(triton.cdiv(t, cfg.block_t), splits)](
         residual, x if with_post else residual, post_mix if with_post else part,
         comb_mix if with_post else part, cur, fn.contiguous(), part, sq, t, h,
