@@ -32,8 +32,9 @@ def check_deadline():
         raise TimeoutError("deadline reached; remaining cases skipped")
 
 
-def graph_time(fn, iters=20, reps=5) -> float:
-    """Seconds per call: ``iters`` calls captured in one CUDA graph, best of ``reps`` replays."""
+def graph_time(fn, iters=20, reps=5, statistic=min) -> float:
+    """Seconds per call: ``iters`` calls captured in one CUDA graph, ``statistic`` (best by
+    default) of ``reps`` replays."""
     check_deadline()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -46,16 +47,16 @@ def graph_time(fn, iters=20, reps=5) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    best = float("inf")
+    times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / iters)
+        times.append(start.elapsed_time(end) / 1e3 / iters)
     del graph
-    return best
+    return statistic(times)
 
 
 def graph_calls_us(calls, replays: int = 7) -> float:

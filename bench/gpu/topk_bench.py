@@ -37,42 +37,20 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from bench.kernels_common import DEADLINE, graph_time  # noqa: E402
+
 TOPK, KPOOL, WIDTH, SELECT = 2048, 16, 2176, 128
 PAGE_POOLS, HEADS, BLOCK_SIZE, PAD_ROWS = 64, 32, 64, 3
 CALLS_PER_STEP = 14
 CELLS = {"8x22k": (8, 4, 22 * 1024), "1x64k": (1, 4, 64 * 1024), "8x64k": (8, 4, 64 * 1024),
          "8x227k": (8, 4, 227 * 1024)}
 ITERS, REPS = 20, 7
-DEADLINE = [float("inf")]
 DEV = "cuda"
 
 
 def graph_us(fn) -> float:
     """Microseconds per call: ITERS calls captured in one CUDA graph, median of REPS replays."""
-    if time.time() > DEADLINE[0]:
-        raise TimeoutError("time budget spent; case skipped")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(ITERS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ev[0].record()
-        graph.replay()
-        ev[1].record()
-        ev[1].synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) * 1e3 / ITERS)
-    del graph
-    return statistics.median(times)
+    return graph_time(fn, ITERS, REPS, statistics.median) * 1e6
 
 
 def build(cell: str, seed: int = 0) -> dict:
@@ -222,7 +200,7 @@ def main() -> int:
     ap.add_argument("--cells", default=",".join(CELLS))
     args = ap.parse_args()
     start = time.time()
-    DEADLINE[0] = start + args.seconds
+    DEADLINE[0] = start + args.seconds  # kernels_common's: graph_time skips cases past it
     import triton
 
     device = torch.cuda.get_device_name()
