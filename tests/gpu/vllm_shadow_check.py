@@ -106,21 +106,25 @@ def _shadow_indexer(ix, refs) -> None:
     table.logits_ragged = logits("indexer.logits_ragged", served.logits_ragged, refs.logits_ragged)
     table.logits_paged = logits("indexer.logits_paged", served.logits_paged, refs.logits_paged)
 
+    def compare(name, out, want, where):
+        """Each row's selected token set against the reference's; `where(i)` names row i."""
+        got_sets = [set(r[r >= 0].tolist()) for r in out]
+        want_sets = [set(r[r >= 0].tolist()) for r in want]
+        bad = [i for i, (g, w) in enumerate(zip(got_sets, want_sets, strict=False)) if g != w]
+        note = None
+        if bad:
+            i = bad[0]
+            note = (f"row {i} ({where(i)}): served-only {sorted(got_sets[i] - want_sets[i])[:8]}, "
+                    f"reference-only {sorted(want_sets[i] - got_sets[i])[:8]}")
+        _note(name, 0.0, len(got_sets), len(bad), note)
+
     def topk(logits_, seq_lens, out, **kwargs):
         served.topk(logits_, seq_lens, out, **kwargs)
         if STATS["indexer.topk"]["calls"] < SHADOW_CALLS:
             want = torch.full_like(out, -1)
             ref_kwargs = {k: v for k, v in kwargs.items() if k != "workspace"}
             refs.topk(logits_.clone(), seq_lens, want, **ref_kwargs)
-            got_sets = [set(r[r >= 0].tolist()) for r in out]
-            want_sets = [set(r[r >= 0].tolist()) for r in want]
-            bad = [i for i, (g, w) in enumerate(zip(got_sets, want_sets, strict=False)) if g != w]
-            note = None
-            if bad:
-                i = bad[0]
-                note = (f"row {i} (seq_len {int(seq_lens[i])}): served-only {sorted(got_sets[i] - want_sets[i])[:8]}, "
-                        f"reference-only {sorted(want_sets[i] - got_sets[i])[:8]}")
-            _note("indexer.topk", 0.0, len(got_sets), len(bad), note)
+            compare("indexer.topk", out, want, lambda i: f"seq_len {int(seq_lens[i])}")
 
     def topk_decode(logits_, positions, context, out, **kwargs):
         served.topk_decode(logits_, positions, context, out, **kwargs)
@@ -128,16 +132,8 @@ def _shadow_indexer(ix, refs) -> None:
             want = torch.full_like(out, 7)
             ref_kwargs = {k: v for k, v in kwargs.items() if k != "workspace"}
             refs.topk_decode(logits_.clone(), positions, context, want, **ref_kwargs)
-            got_sets = [set(r[r >= 0].tolist()) for r in out]
-            want_sets = [set(r[r >= 0].tolist()) for r in want]
-            bad = [i for i, (g, w) in enumerate(zip(got_sets, want_sets, strict=False)) if g != w]
-            note = None
-            if bad:
-                i = bad[0]
-                note = (f"row {i} (position {int(positions.reshape(-1)[i]) if i < positions.numel() else 'pad'}): "
-                        f"served-only {sorted(got_sets[i] - want_sets[i])[:8]}, "
-                        f"reference-only {sorted(want_sets[i] - got_sets[i])[:8]}")
-            _note("indexer.topk_decode", 0.0, len(got_sets), len(bad), note)
+            compare("indexer.topk_decode", out, want, lambda i: f"position {int(positions.reshape(-1)[i])}"
+                    if i < positions.numel() else "position pad")
 
     table.topk = topk
     table.topk_decode = topk_decode
