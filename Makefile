@@ -2,7 +2,7 @@
 #
 #   make demo        install, build the tiny checkpoint, run the main job on it (CPU)
 #   make test        the unit and vllm lanes (CPU)
-#   make gpu-check   the gpu lane (a CUDA machine; see bench/gpu/README.md)
+#   make gpu-check   the gpu lane (a CUDA machine; without a package index: bench/gpu/lane.sh)
 
 PYTHON ?= python3
 VENV   ?= .venv

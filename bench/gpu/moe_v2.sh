@@ -90,9 +90,9 @@ elif [ "$mode" = explore ]; then
   # 1. Triton compiles in parallel processes (the on-disk cache serves the timed run)
   T="timeout --kill-after=3 ${WARM_S:-35}"
   step warm "$(( ${WARM_S:-35} + 5 ))" bash -c "
-    $T $B --warm --tokens 1,8,32,48 --paths 'exl3_triton,exl3_triton.split8,exl3_triton.split4' > $W/warm1.log 2>&1 &
-    $T $B --warm --tokens 8,32 --paths 'exl3_triton.split2,exl3_triton.split1,exl3_triton.split1_k128_w8' > $W/warm2.log 2>&1 &
-    $T $B --warm --tokens 8,32 --paths 'exl3_triton.split2_n512,exl3_triton.split4_k128_w8' > $W/warm3.log 2>&1 &
+    $T $B --warm --tokens 1,8,32,48 --paths 'exl3_triton,exl3_triton.split8,exl3_triton.split4,exl3_triton.split16_d4' > $W/warm1.log 2>&1 &
+    $T $B --warm --tokens 8,32 --paths 'exl3_triton.split2,exl3_triton.split1,exl3_triton.split4_k128,exl3_triton.split4_w8' > $W/warm2.log 2>&1 &
+    $T $B --warm --tokens 8,32 --paths 'exl3_triton.split4_n256,exl3_triton.split4_s2,exl3_triton.split8_s2,exl3_triton.split8_d2' > $W/warm3.log 2>&1 &
     $T $B --warm --tokens 8,32 --paths 'fp8_vllm_k.n*' > $W/warm4.log 2>&1 &
     $T $B --warm --tokens 1,8,32,48,2048,8192 --paths 'fp8_vllm.vllm_default,fp8_vllm_k.vllm_default' > $W/warm5.log 2>&1 &
     wait; tail -n 3 $W/warm*.log"
