@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from glmctl import switches
 from tests.gpu.lane_record import record_case, record_environment
 from tests.gpu.vllm_lane_cases import CASES, judge
 
@@ -64,6 +65,7 @@ def lane(tiny_checkpoint, tmp_path_factory):
         vllm_version=report.get("vllm_version") or md.version("vllm"),
         torch_version=report.get("torch_version") or torch.__version__,
         device=report.get("device") or torch.cuda.get_device_name(0),
+        plugin_switches={n: os.environ[n] for n in switches.names(switches.PLUGIN) if os.environ.get(n)},
         vllm_lane={"stages_s": run.stages_s, "schedule": run.schedule, "fixture": run.fixture_note,
                    "prompts": {n: len(ids) for n, ids in run.prompts.items()}},
     )
