@@ -17,24 +17,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.kernels.triton_env import import_interpreted, run_in_fresh_interpreter_process  # noqa: E402
-
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 from tests.unit.triton_bounds import OutOfBounds, bounds_checked  # noqa: E402
 
-_modules = import_interpreted("glmctl.kernels.exl3_trellis", "glmctl.kernels.exl3_moe_rotate",
-                              "glmctl.kernels.exl3_moe_decode", "glmctl.kernels.exl3_coop_io")
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.exl3_trellis", "glmctl.kernels.exl3_moe_rotate",
+    "glmctl.kernels.exl3_moe_decode", "glmctl.kernels.exl3_coop_io")
 trellis_mod, _, moe_mod, coop_io = _modules or (None, None, None, None)
 
 
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _bounds_checked(_interpreter):
     if _modules is None:
         yield
         return

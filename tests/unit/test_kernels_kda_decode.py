@@ -13,27 +13,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
-_modules = import_interpreted("glmctl.kernels.kda_decode")
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.kda_decode")
 kd = _modules[0] if _modules else None
 
 H, D, W, SPEC = 2, 32, 4, 3
 LB = -5.0
-
-
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _layer(seed, tokens, slots=16, cols=W - 1 + SPEC, state_dtype=torch.float32):

@@ -11,24 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
 # Before anything imports triton: the interpreter is chosen at decoration time. If triton was
 # imported earlier in this process, every test here is skipped and re-run in a fresh process.
-_modules = import_interpreted(
-    "glmctl.kernels.sparse_mla_prefill",
-    "glmctl.kernels.mla_cache_write",
-    "glmctl.kernels.sparse_mla_decode",
-)
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
-
-
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.sparse_mla_prefill", "glmctl.kernels.mla_cache_write",
+    "glmctl.kernels.sparse_mla_decode")
 
 
 prefill_mod, cache_write_mod, decode_mod = _modules or (None, None, None)
@@ -40,11 +29,6 @@ plan_sparse_mla_decode = getattr(decode_mod, "plan_sparse_mla_decode", None)
 sparse_mla_decode = getattr(decode_mod, "sparse_mla_decode", None)
 sparse_mla_decode_ref = getattr(decode_mod, "sparse_mla_decode_ref", None)
 sparse_mla_decode_workspace = getattr(decode_mod, "sparse_mla_decode_workspace", None)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the launchers pick interpreter-safe dtypes
 
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla"]

@@ -8,28 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
-_modules = import_interpreted(
-    "glmctl.kernels.mla_cache_write",
-    "glmctl.kernels.sparse_mla_decode",
-    "glmctl.kernels.sparse_mla_configs",
-)
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.mla_cache_write", "glmctl.kernels.sparse_mla_decode",
+    "glmctl.kernels.sparse_mla_configs")
 cache_write_mod, decode_mod, configs_mod = _modules or (None, None, None)
-
-
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 ROW = {"bf16": (512, torch.bfloat16), "fp8": (512, torch.uint8), "fp8_ds_mla": (656, torch.uint8)}

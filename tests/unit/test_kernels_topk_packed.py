@@ -11,25 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
-_modules = import_interpreted("glmctl.kernels.kpool_topk", "glmctl.kernels.kpool_topk_packed")
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.kpool_topk", "glmctl.kernels.kpool_topk_packed")
 pytestmark = pytest.mark.slow
 topk, packed = _modules or (None, None)
-
-
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 KPOOL, SELECT, WIDTH = 16, 128, 2176

@@ -11,26 +11,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
-_modules = import_interpreted("glmctl.kernels.fp8_block_linear")
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.fp8_block_linear")
 
 from glmctl.errors import ConfigError  # noqa: E402
 from glmctl.plugin.quantization import fp8_glmctl  # noqa: E402
 
 
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _tp1_without_process_groups(monkeypatch):
     # a TP-1 layer without vLLM's process groups: the block-shape check and the parameters ask them
     for module in ("vllm.distributed", "vllm.model_executor.parameter"):
         monkeypatch.setattr(f"{module}.get_tensor_model_parallel_world_size", lambda: 1)

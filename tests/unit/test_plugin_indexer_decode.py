@@ -15,28 +15,15 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("vllm") is None:  # not importorskip: vLLM imports triton
     pytest.skip("needs vllm", allow_module_level=True)
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
-_modules = import_interpreted("glmctl.kernels.indexer_logits_paged", "glmctl.kernels.kpool_topk",
-                              "glmctl.kernels.kpool_topk_packed")
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.indexer_logits_paged", "glmctl.kernels.kpool_topk",
+    "glmctl.kernels.kpool_topk_packed")
 pytestmark = pytest.mark.slow
 
 KPOOL, TOPK, WIDTH, HEADS, PAGE_POOLS, PAGES_PER_REQ = 4, 64, 80, 4, 16, 7
 UNTOUCHED = 99
-
-
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _vllm():

@@ -12,29 +12,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
-_modules = import_interpreted("glmctl.kernels.kda_decode")
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.kda_decode")
 
 from glmctl.kernels.kda_decode import gated_rms_norm_ref, kda_decode_ref, new_counters  # noqa: E402
 
 from glmctl.plugin.platforms import kda_layer as hook  # noqa: E402
 
 H, D, W, SPEC = 2, 16, 4, 3
-
-
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def test_when_glmctl_runs_the_decode_step():

@@ -9,18 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from glmctl.kernels.triton_env import (  # noqa: E402
-    import_interpreted,
-    run_in_fresh_interpreter_process,
-)
+from tests.unit.interpreted_kernels import interpreted_kernels  # noqa: E402
 
-_modules = import_interpreted(
-    "glmctl.kernels.sparse_mla_prefill",
-    "glmctl.kernels.mla_cache_write",
-    "glmctl.kernels.sparse_mla_decode",
-    "glmctl.kernels.sparse_slots",
-)
-interpreted = pytest.mark.skipif(_modules is None, reason="re-run by test_in_fresh_process")
+_modules, interpreted, test_in_fresh_process, _interpreter = interpreted_kernels(
+    __file__, "glmctl.kernels.sparse_mla_prefill", "glmctl.kernels.mla_cache_write",
+    "glmctl.kernels.sparse_mla_decode", "glmctl.kernels.sparse_slots")
 
 from glmctl.kernels.layouts import kv_format, normalise_kv_cache_dtype  # noqa: E402
 
@@ -36,16 +29,6 @@ from glmctl.plugin.policy import Target  # noqa: E402
 
 BLOCK, WIDTH, HEADS, SCALE = 16, 256, 4, 0.07
 ROW = {"bf16": (512, torch.bfloat16), "fp8": (512, torch.uint8), "fp8_ds_mla": (656, torch.uint8)}
-
-
-@pytest.mark.skipif(_modules is not None, reason="ran in this process")
-def test_in_fresh_process():
-    run_in_fresh_interpreter_process(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def test_kv_cache_dtype_to_layout():
