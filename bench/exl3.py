@@ -39,7 +39,7 @@ from moe_paths import EXPERTS, HIDDEN, INTER, TOP_K, Paths, fp8_block_bytes  # n
 CALLS_PER_REPLAY = 16
 MOE_LAYERS = 43  # transformers 5.24 Glm5NextTextConfig: 42 "sparse" mlp_layer_types + the MTP layer
 DEFAULT_PATHS = "exl3_coop,exl3_coop_lean,exl3_auto,exl3_triton,fp8_torch,bf16_torch,fp8_vllm_k.vllm_default"
-EXL3_PATH_NAMES = ("exl3_coop", "exl3_coop_lean", "exl3_auto", "exl3_fused", "exl3_triton")
+EXL3_PATH_NAMES = ("exl3_coop", "exl3_coop_lean", "exl3_auto", "exl3_fused", "exl3_triton", "exl3_prefill_triton")
 
 
 def routings(torch, tokens: int, n: int, device, seed: int, hot: int = 0):
@@ -155,7 +155,10 @@ def all_names() -> list[str]:
     from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
     from moe_fp8_vllm import SWEEP
 
-    return (list(EXL3_PATH_NAMES) + [f"exl3_triton.{c}" for c in DECODE_CONFIGS] + ["fp8_torch", "bf16_torch"]
+    decode = [c for c, cfg in DECODE_CONFIGS.items() if cfg.rows == 16]
+    prefill = [c for c, cfg in DECODE_CONFIGS.items() if cfg.rows > 16]
+    return (list(EXL3_PATH_NAMES) + [f"exl3_triton.{c}" for c in decode]
+            + [f"exl3_prefill_triton.{c}" for c in prefill] + ["fp8_torch", "bf16_torch"]
             + [f"{p}.{c}" for p in ("fp8_vllm", "fp8_vllm_k") for c in ["vllm_default"] + [s.name for s in SWEEP]])
 
 
@@ -223,17 +226,22 @@ def run(args) -> dict:
         notes.append(f"agreement check: {type(exc).__name__}: {str(exc)[:200]}")
     for tokens in args.prefill:
         inputs = routings(torch, tokens, 1, device, 7)
+        first = None  # the first EXL3 path's output: every EXL3 path's prefill row says how far it is
         for name in select(args.prefill_paths, names):
             try:
                 fn, per_expert, note = paths.get(name, inputs)
+                y = fn(*inputs[0], 0).float() if name.startswith("exl3_") else None
                 us = time_eager(torch, fn, inputs)
             except Exception as exc:
                 notes.append(f"{name} at {tokens} tokens (eager): {type(exc).__name__}: {str(exc)[:200]}")
                 continue
+            first = y if first is None else first
             nbytes, experts = must_move(inputs, per_expert)
             rows.append({"path": name, "tokens": tokens, "mode": "eager", "us": round(us, 1), "bytes": int(nbytes),
                          "frac_copy": round(nbytes / (us * 1e-6) / bw, 3), "experts": round(experts, 1),
                          "tag": args.tag})
+            if y is not None:
+                rows[-1]["rel_err_vs_first_exl3"] = float((y - first).norm() / first.norm())
             print(json.dumps(rows[-1]), flush=True)
             checkpoint()
     mem = {"exl3": paths.exl3.weight_bytes, "fp8_block128": fp8_block_bytes(), "bf16": EXPERTS * 3 * HIDDEN * INTER * 2}

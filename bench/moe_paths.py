@@ -6,6 +6,8 @@
   exl3_fused           exllamav3's exl3_moe at every size ("fused")
   exl3_triton          glmctl.kernels.exl3_moe_decode, the config picked by tokens
   exl3_triton.<cfg>    the same with one DECODE_CONFIGS entry at every size
+  exl3_prefill_triton  decode as exl3_triton; above 64 tokens glmctl.kernels.exl3_moe_prefill (64-slot
+                       runs; .<cfg> names a prefill config) instead of exllamav3's exl3_moe
   fp8_torch, bf16_torch   sort + torch._scaled_grouped_mm / torch._grouped_mm (sm_90 stand-ins)
   fp8_vllm.<cfg>       vLLM's fused_moe Triton kernel (bench/moe_fp8_vllm.py), torch glue included
   fp8_vllm_k.<cfg>     the same kernel's two launches alone (glue excluded: the kernel's own time)
@@ -25,7 +27,8 @@ BITS = 4
 SWIGLU_LIMIT = 10.0
 
 EXL3_MODES = {"exl3_coop": "coop", "exl3_coop_lean": "coop_lean", "exl3_auto": "auto", "exl3_fused": "fused",
-              "exl3_triton": "triton"}
+              "exl3_triton": "triton", "exl3_prefill_triton": "triton"}
+PREFILL_MODES = {"exl3_prefill_triton": "triton"}  # Exl3MoE.prefill_mode; every other path: "recon"
 
 
 class TorchExperts:
@@ -127,6 +130,8 @@ class Paths:
         return self._vllm
 
     def supports(self, name: str, tokens: int) -> bool:
+        if name.startswith("exl3_prefill_triton"):
+            return True
         if name.startswith("exl3_triton"):
             from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS, MAX_TOKENS
 
@@ -146,6 +151,7 @@ class Paths:
 
             def fn(x, ids, w, i):
                 layer.decode_kernel = mode  # read while a graph is captured: each capture bakes one path
+                layer.prefill_mode = PREFILL_MODES.get(base, "recon")
                 if cfg:
                     os.environ["GLMCTL_EXL3_TRITON_CONFIG"] = cfg
                 try:

@@ -120,8 +120,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("GLMCTL_EXL3_DECODE", "choice", PLUGIN, "which kernel runs a decode batch of EXL3 experts",
        default="auto", choices=("auto", "coop", "coop_lean", "triton", "fused")),
     Switch("GLMCTL_EXL3_PREFILL", "choice", PLUGIN,
-       "EXL3 prefill: heavy experts reconstructed to fp16 (recon) or run in slices (chunk)",
-       default="recon", choices=("recon", "chunk")),
+       "EXL3 prefill: exllamav3's exl3_moe with heavy experts reconstructed to fp16 (recon) or in slices "
+       "(chunk), or glmctl's Triton kernels with 64-slot runs (triton; 4-bit experts, else recon)",
+       default="recon", choices=("recon", "chunk", "triton")),
     Switch("GLMCTL_EXL3_TRITON_CONFIG", "text", PLUGIN,
        "a kernels.exl3_moe_decode.DECODE_CONFIGS name used at every size (benchmarks)",
        shown_default="per size"),

@@ -66,7 +66,8 @@ class DecodeConfig:
     """One launch configuration: `split_k` K splits of each gate/up column block (the partials
     hold split_k * tokens <= 2 * MAX_TOKENS), `block_k` input rows per gate/up step,
     `down_split` K splits of the down projection, `block_n2` output columns per down program,
-    `warps` / `stages` of both weight kernels."""
+    `warps` / `stages` of both weight kernels, `rows` slots per run (the products' M: 16 at
+    decode sizes; 64 for prefill slices, where an expert holds ~T x k / E slots)."""
 
     name: str
     split_k: int
@@ -75,6 +76,7 @@ class DecodeConfig:
     block_n2: int = 128
     warps: int = 4
     stages: int = 1
+    rows: int = ROWS
 
 
 DECODE_CONFIGS = {c.name: c for c in (
@@ -83,6 +85,8 @@ DECODE_CONFIGS = {c.name: c for c in (
     DecodeConfig("split4_s2", 4, stages=2), DecodeConfig("split4_k128", 4, block_k=128),
     DecodeConfig("split4_w8", 4, warps=8), DecodeConfig("split4_n256", 4, block_n2=256),
     DecodeConfig("split8_s2", 8, stages=2),
+    DecodeConfig("prefill_r64", 1, rows=64, warps=8), DecodeConfig("prefill_r64_w4", 1, rows=64),
+    DecodeConfig("prefill_r32", 1, rows=32),
 )}
 # tokens per step -> config: gate/up programs ~ runs x 4 x split_k and down programs ~ runs x
 # 32 x down_split, several waves of 132-142 SMs at every size
@@ -96,8 +100,13 @@ def default_config(tokens: int) -> DecodeConfig:
     raise ValueError(f"{tokens} tokens is above the decode path's {MAX_TOKENS}")
 
 
-def max_runs(slots: int, experts: int) -> int:
-    return min(slots, min(experts, slots) + slots // ROWS)
+def max_runs(slots: int, experts: int, rows: int = ROWS) -> int:
+    return min(slots, min(experts, slots) + slots // rows)
+
+
+def finish_warps(rows: int) -> int:
+    """The finish kernel's warps: its four [rows, 64] fp32 partial sums in registers."""
+    return 4 if rows <= 32 else 8
 
 
 @triton.jit
@@ -246,21 +255,22 @@ class DecodeWorkspace:
     activations and their sums, slot outputs."""
 
     def __init__(self, device, hidden: int, intermediate: int, top_k: int, experts: int,
-                 max_tokens: int = MAX_TOKENS) -> None:
+                 max_tokens: int = MAX_TOKENS, splits: int = 2) -> None:
         s = max_tokens * top_k
         i32, f32 = dict(dtype=torch.int32, device=device), dict(dtype=torch.float32, device=device)
-        self.slots, self.runs = s, max_runs(s, experts)
+        self.slots, self.runs = s, max_runs(s, experts)  # ROWS-slot runs: the most any config cuts
         self.order = torch.zeros(s, **i32)
         self.run_e, self.run_s, self.run_n = (torch.zeros(self.runs, **i32) for _ in range(3))
         self.meta = torch.zeros(1, **i32)
         self.xrot = torch.empty((s, 2, hidden), dtype=torch.float16, device=device)
         self.xsum = torch.empty((s, 2), **f32)
-        # split partials: split_k * tokens <= 2 * max_tokens; slot outputs: down_split * tokens <=
-        # 2 * max_tokens (the configs split more only where there are fewer tokens)
-        self.part = torch.empty((2 * s, 2, intermediate), **f32)
+        # split partials: split_k * tokens <= splits * max_tokens; slot outputs: down_split *
+        # tokens <= splits * max_tokens (the decode configs split more only where there are fewer
+        # tokens; the prefill workspace holds one split)
+        self.part = torch.empty((splits * s, 2, intermediate), **f32)
         self.act = torch.empty((s, intermediate), dtype=torch.float16, device=device)
         self.dsum = torch.empty((s, intermediate // 128), **f32)
-        self.y = torch.empty((2 * s, hidden), **f32)
+        self.y = torch.empty((splits * s, hidden), **f32)
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -279,6 +289,7 @@ def check_config(cfg: DecodeConfig, tokens: int, top_k: int, hidden: int, inter:
         ("down_split outputs beyond the workspace", cfg.down_split * slots <= ws.y.shape[0]),
         ("block_n2 must divide hidden", hidden % cfg.block_n2 == 0 and cfg.block_n2 % 128 == 0),
         ("intermediate must be a multiple of 128", inter % 128 == 0),
+        ("rows must be 16, 32 or 64", cfg.rows in (16, 32, 64)),
         ("split_k must divide hidden / block_k", (hidden // cfg.block_k) % cfg.split_k == 0),
         ("down_split must divide intermediate / 64", (inter // 64) % cfg.down_split == 0),
     ) if not ok]
@@ -302,20 +313,21 @@ def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float,
     if not ids.is_contiguous():
         ids = ids.contiguous()
     (gtr, gst), (utr, ust), (dtr, dst) = _words(gate[0]), _words(up[0]), _words(down[0])
-    runs = max_runs(slots, experts)
-    prologue_launch(x, ids, gate[1], up[1], ws, clamped, top_k, experts, ROWS)
+    rows = cfg.rows
+    runs = max_runs(slots, experts, rows)
+    prologue_launch(x, ids, gate[1], up[1], ws, clamped, top_k, experts, rows)
     run_table = (ws.order, ws.run_e, ws.run_s, ws.run_n, ws.meta)
     _gate_up_kernel[(runs, 2 * (inter // 128), cfg.split_k)](
         ws.xrot, ws.xsum, gtr, gst, utr, ust, *run_table, ws.part, slots * 2 * inter,
-        H=hidden, INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=fast,
+        H=hidden, INTER=inter, ROWS=rows, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=fast,
         num_warps=cfg.warps, num_stages=cfg.stages)
     _finish_kernel[(runs, inter // 128)](
         ws.part, slots * 2 * inter, gate[2], gate[2].stride(0), up[2], up[2].stride(0), down[1], down[1].stride(0),
-        *run_table, ws.act, ws.dsum, float(act_limit or 0.0), INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k,
-        num_warps=4)
+        *run_table, ws.act, ws.dsum, float(act_limit or 0.0), INTER=inter, ROWS=rows, SPLIT_K=cfg.split_k,
+        num_warps=finish_warps(rows))
     _down_kernel[(runs, hidden // cfg.block_n2, cfg.down_split)](
         ws.act, ws.dsum, dtr, dst, *run_table, ws.y, slots * hidden,
-        H=hidden, INTER=inter, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2, DOWN_SPLIT=cfg.down_split,
+        H=hidden, INTER=inter, ROWS=rows, BLOCK_K=64, BLOCK_N2=cfg.block_n2, DOWN_SPLIT=cfg.down_split,
         FAST=fast, num_warps=cfg.warps, num_stages=cfg.stages)
     return combine_launch(x, ids, topk_weights, down[2], ws.y, slots * hidden, top_k, cfg.down_split)
 

@@ -128,7 +128,7 @@ def prologue_launch(x, ids, gsuh, usuh, ws, clamped: torch.Tensor, top_k: int, e
 def _prologue_constants(hidden: int, top_k: int, experts: int, tokens: int, rows: int) -> dict:
     return dict(TOPK=top_k, H=hidden, NB_PAD=max(16, triton.next_power_of_2(hidden // 128)),
                 S_PAD=triton.next_power_of_2(tokens * top_k), E_PAD=triton.next_power_of_2(experts + 1),
-                MAX_CHUNKS=triton.cdiv(tokens, rows), ROWS=rows)
+                MAX_CHUNKS=triton.cdiv(triton.next_power_of_2(tokens), rows), ROWS=rows)
 
 
 def _combine_constants(hidden: int, top_k: int, down_split: int) -> dict:

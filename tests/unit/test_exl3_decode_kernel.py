@@ -281,3 +281,43 @@ def test_moe_decode_at_the_bench_routing_stays_inside_its_buffers():
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
     assert int(ws.meta[0]) == len(ids.unique())  # one run per touched expert at 9 tokens
     assert int(ws.run_e[int(ws.meta[0]) - 1]) == experts - 1 and int(ws.run_n[int(ws.meta[0]) - 1]) == tokens
+
+
+@interpreted
+@pytest.mark.parametrize("config, slice_tokens", [("prefill_r64", 96), ("prefill_r32", 40), ("prefill_r64", 24)])
+def test_moe_prefill_matches_the_reference_layer(config, slice_tokens):
+    """Prefill sizes (more tokens than the decode path holds) through 32- and 64-slot runs: expert 0
+    in every token's top-k (96 slots: two 64-slot runs, three 32-slot runs), the call cut into
+    slices of the workspace's tokens (96: one slice; 40: three, the last short; 24: four), the
+    slices' outputs in order."""
+    from glmctl.kernels.exl3_moe_prefill import exl3_moe_prefill, prefill_workspace
+
+    experts, hidden, inter, top_k, tokens = 6, 256, 128, 2, 96
+    gate, up, down = _layer(experts, hidden, inter, seed=41)
+    ids, w = _routing(tokens, experts, top_k, seed=42, heavy=True)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(43)).bfloat16()
+    ws = prefill_workspace("cpu", hidden, inter, top_k, experts, slice_tokens=slice_tokens)
+    clamped = torch.zeros((), dtype=torch.int64)
+    y = exl3_moe_prefill(x, ids, w, gate, up, down, 10.0, clamped, ws, moe_mod.DECODE_CONFIGS[config])
+    ref = moe_mod.exl3_moe_decode_ref(x, ids, w, gate, up, down, 10.0)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    rows = [float((y[t].float() - ref[t]).norm() / ref[t].norm()) for t in range(tokens)]
+    assert max(rows) < 2e-2, max(rows)  # every token, so a misplaced slice cannot hide in the mean
+    if slice_tokens >= tokens:
+        runs = len(ids.unique()) - 1 + -(-int((ids == 0).sum()) // moe_mod.DECODE_CONFIGS[config].rows)
+        assert int(ws.meta[0]) == runs
+
+
+def test_prefill_workspace_holds_the_tp8_chunk():
+    """GLM-5.3-Flash at TP8: a 2,048-token slice fits every prefill config, and a decode config's
+    K splits do not (the prefill workspace keeps one split)."""
+    if _modules is None:
+        pytest.skip("re-run by test_in_fresh_process")
+    from glmctl.kernels.exl3_moe_prefill import PREFILL_CONFIGS, PREFILL_TOKENS, prefill_workspace
+
+    ws = prefill_workspace("meta", 4096, 256, 8, 288)
+    assert PREFILL_CONFIGS
+    for name in PREFILL_CONFIGS:
+        moe_mod.check_config(moe_mod.DECODE_CONFIGS[name], PREFILL_TOKENS, 8, 4096, 256, ws)
+    with pytest.raises(ValueError, match="split_k partials"):
+        moe_mod.check_config(moe_mod.DECODE_CONFIGS["split2"], PREFILL_TOKENS, 8, 4096, 256, ws)

@@ -60,9 +60,31 @@ class TritonDecode:
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  clamped: torch.Tensor) -> torch.Tensor:
-        from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS, exl3_moe_decode
+        from glmctl.kernels.exl3_moe_decode import exl3_moe_decode
 
-        name = switches.read("GLMCTL_EXL3_TRITON_CONFIG")  # one config at every size (benchmarks)
-        config = DECODE_CONFIGS[name] if name else None
         return exl3_moe_decode(x, topk_ids, topk_weights, *self.projections, self.act_limit, clamped,
-                               self.workspace(x.device, topk_ids.shape[1]), config)
+                               self.workspace(x.device, topk_ids.shape[1]), _named_config(prefill=False))
+
+    def prefill(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                clamped: torch.Tensor) -> torch.Tensor:
+        """Any number of tokens, in slices of 64-slot runs (glmctl.kernels.exl3_moe_prefill)."""
+        from glmctl.kernels.exl3_moe_prefill import exl3_moe_prefill, prefill_workspace
+
+        top_k = topk_ids.shape[1]
+        key = (x.device, self.hidden, self.intermediate, top_k, self.experts, "prefill")
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = prefill_workspace(x.device, self.hidden, self.intermediate, top_k,
+                                                           self.experts)
+        return exl3_moe_prefill(x, topk_ids, topk_weights, *self.projections, self.act_limit, clamped, ws,
+                                _named_config(prefill=True))
+
+
+def _named_config(prefill: bool):
+    """GLMCTL_EXL3_TRITON_CONFIG (benchmarks: one config at every size): a decode config (16-slot
+    runs) applies to decode batches, a prefill config (longer runs) to prefill; None: the default."""
+    from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
+
+    name = switches.read("GLMCTL_EXL3_TRITON_CONFIG")
+    config = DECODE_CONFIGS[name] if name else None
+    return config if config is not None and (config.rows > 16) == prefill else None

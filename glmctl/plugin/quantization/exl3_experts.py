@@ -197,7 +197,7 @@ class Exl3MoE:
         self._tables = [*gate.pointers(), *up.pointers(), *down.pointers()]
         self._buffers = _shared_buffers(self.device, self.hidden, self.intermediate)
         self.fp16_clamped = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.prefill_mode = switches.read("GLMCTL_EXL3_PREFILL")  # recon: heavy experts rebuilt; chunk: slices
+        self.prefill_mode = switches.read("GLMCTL_EXL3_PREFILL")  # recon / chunk: exl3_moe; triton: 64-slot runs
         self.decode_kernel = decode_path_from_env()  # glmctl.plugin.quantization.exl3_decode: paths and the auto rule
         self._triton = (TritonDecode(gate, up, down, self.act_limit)
                         if TritonDecode.supports(self.bits, self.hidden, self.intermediate) else None)
@@ -236,6 +236,8 @@ class Exl3MoE:
             for t0 in range(0, tokens, rows):  # the kernel's output buffer is reused: copy out first
                 y[t0:t0 + rows].copy_(self._coop(x16[t0:t0 + rows], ids[t0:t0 + rows], weights[t0:t0 + rows]))
             return y
+        if self.prefill_mode == "triton" and self._triton is not None:
+            return self._triton.prefill(x, topk_ids, topk_weights, self.fp16_clamped)
         x16 = to_fp16_checked(x, self.fp16_clamped)
         out = torch.zeros((tokens, self.hidden), dtype=torch.float32, device=x.device)
         ids, weights = topk_ids.to(torch.int64), topk_weights
