@@ -330,8 +330,8 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     """vLLM's o_norm (FusedRMSNormGated, sigmoid): rms-normalise over the last dim, times the
     weight, times sigmoid(gate); fp32 maths, x's dtype out."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float().to(x.device)
+    return (y * torch.sigmoid(gate.float().to(x.device))).to(x.dtype)
 
 
 def kda_decode_ref(qkv, conv_state, conv_weight, raw_g, raw_beta, a_log, g_bias, state, cu_seqlens,
