@@ -136,9 +136,13 @@ def test_graph_replay_with_new_inputs_matches_eager(t, decode):
 
 @pytest.mark.parametrize("t", [1, 4, 32, 64])
 def test_one_launch_agrees_with_two_and_repeats_exactly(t):
-    """The one-launch block against the two-launch pair (residual_cur within a bf16 step, gates to
-    summation order, the layer input within a step where the streams do not cancel), and 200
-    launches in a row, whose last programs differ from launch to launch, all bit-identical."""
+    """The one-launch block against the two-launch pair, and 200 launches in a row, whose last
+    programs differ from launch to launch, all bit-identical. The two paths sum the 16,384-term
+    gate products in different orders, so each is held to test_fused_post_pre_matches_reference's
+    bounds and the pair to their sum: residual_cur within a bf16 step (its sums are the same),
+    gates within 2e-4 relative (the H200 measured up to 3.1e-5 at T = 32), the normed layer input
+    (rounded three times, each path within two steps of the reference) within four steps where
+    the streams do not cancel."""
     from glmctl.kernels import mhc_decode, mhc_pre_post
 
     residual, x, fn, scale, base, post_in, comb_in, weight = _inputs(t, seed=40 + t)
@@ -147,9 +151,9 @@ def test_one_launch_agrees_with_two_and_repeats_exactly(t):
     fused = mhc_pre_post.mhc_fused_post_pre(*args, **kw, decode="fused")
     split = mhc_pre_post.mhc_fused_post_pre(*args, **kw, decode="split")
     _steps(fused[0], split[0], 1)
-    torch.testing.assert_close(fused[1], split[1], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fused[2], split[2], rtol=1e-5, atol=1e-6)
-    _steps(fused[3], split[3], 1, atol=1e-5 * fused[0].float().abs().sum(1) + 1e-6)
+    torch.testing.assert_close(fused[1], split[1], rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(fused[2], split[2], rtol=2e-4, atol=2e-5)
+    _steps(fused[3], split[3], 4, atol=1e-5 * fused[0].float().abs().sum(1) + 1e-6)
     for i in range(200):
         again = mhc_pre_post.mhc_fused_post_pre(*args, **kw, decode="fused")
         for a, b in zip(again, fused, strict=True):
