@@ -52,7 +52,7 @@ from .exl3_trellis import (
     decode_block,
     decode_trellis_ref,
 )
-from .triton_env import interpreting
+from .triton_env import dot_dtype, interpreting
 
 ROWS = 16  # slots per run: the M of the m16n8k16 products
 FP16_SAFE = 65280.0
@@ -67,7 +67,10 @@ class DecodeConfig:
     hold split_k * tokens <= 2 * MAX_TOKENS), `block_k` input rows per gate/up step,
     `down_split` K splits of the down projection, `block_n2` output columns per down program,
     `warps` / `stages` of both weight kernels, `rows` slots per run (the products' M: 16 at
-    decode sizes; 64 for prefill slices, where an expert holds ~T x k / E slots)."""
+    decode sizes; 64 for prefill slices, where an expert holds ~T x k / E slots);
+    `rotate_in_down`: the down kernel applies the output rotation, scales and routing weight to
+    its [rows, 128] blocks, and the picks are summed after it (at prefill sizes the per-token
+    combine launch cost more than the down products: 0.69 vs 0.35 ms at 2,048 tokens, H200)."""
 
     name: str
     split_k: int
@@ -77,6 +80,7 @@ class DecodeConfig:
     warps: int = 4
     stages: int = 1
     rows: int = ROWS
+    rotate_in_down: bool = False
 
 
 DECODE_CONFIGS = {c.name: c for c in (
@@ -85,8 +89,9 @@ DECODE_CONFIGS = {c.name: c for c in (
     DecodeConfig("split4_s2", 4, stages=2), DecodeConfig("split4_k128", 4, block_k=128),
     DecodeConfig("split4_w8", 4, warps=8), DecodeConfig("split4_n256", 4, block_n2=256),
     DecodeConfig("split8_s2", 8, stages=2),
-    DecodeConfig("prefill_r64", 1, rows=64, warps=8), DecodeConfig("prefill_r64_w4", 1, rows=64),
-    DecodeConfig("prefill_r32", 1, rows=32),
+    DecodeConfig("prefill_r64", 1, rows=64, warps=8, rotate_in_down=True),
+    DecodeConfig("prefill_r32", 1, rows=32, rotate_in_down=True),
+    DecodeConfig("prefill_r64_combine", 1, rows=64, warps=8),
 )}
 # tokens per step -> config: gate/up programs ~ runs x 4 x split_k and down programs ~ runs x
 # 32 x down_split, several waves of 132-142 SMs at every size
@@ -104,16 +109,12 @@ def max_runs(slots: int, experts: int, rows: int = ROWS) -> int:
     return min(slots, min(experts, slots) + slots // rows)
 
 
-def finish_warps(rows: int) -> int:
-    """The finish kernel's warps: its four [rows, 64] fp32 partial sums in registers."""
-    return 4 if rows <= 32 else 8
-
-
 @triton.jit
-def _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS: tl.constexpr):
+def _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS: tl.constexpr, first=0):
+    """Run r's expert and ROWS of its slots from the run's `first` on (masked past its end)."""
     e = tl.load(run_e_ptr + r).to(tl.int64)
     start = tl.load(run_s_ptr + r)
-    m = tl.arange(0, ROWS)
+    m = first + tl.arange(0, ROWS)
     valid = m < tl.load(run_n_ptr + r)
     slot = tl.load(order_ptr + start + m, mask=valid, other=0).to(tl.int64)
     return e, slot, valid
@@ -172,14 +173,16 @@ def _gate_up_kernel(xrot_ptr, xsum_ptr, gtr_ptr, gtr_stride, utr_ptr, utr_stride
 def _finish_kernel(part_ptr, part_split_stride, gsvh_ptr, gsvh_stride, usvh_ptr, usvh_stride, dsuh_ptr, dsuh_stride,
                    order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr, act_ptr, dsum_ptr, act_limit,
                    INTER: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """One 128-column block of a run, from the summed partials to the down input, as 64-halves
-    (H128 [g0; g1] = [H64 (g0 + g1); H64 (g0 - g1)]) in fp16 operands like exllamav3's fp16
-    gate/up scratch; rows are slots, so every product is [ROWS, 64] x [64, 64] (H64 is symmetric)."""
+    """One 128-column block of ROWS slots of a run (grid axis 2: which ROWS of a longer run; the
+    work is row by row, so runs of any length are finished in 16-row pieces without spilling),
+    from the summed partials to the down input, as 64-halves (H128 [g0; g1] = [H64 (g0 + g1);
+    H64 (g0 - g1)]) in fp16 operands like exllamav3's fp16 gate/up scratch; rows are slots, so
+    every product is [ROWS, 64] x [64, 64] (H64 is symmetric)."""
     r = tl.program_id(0)
     nb = tl.program_id(1)
     if r >= tl.load(meta_ptr):
         return
-    e, slot, valid = _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS)
+    e, slot, valid = _run_slots(order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, r, ROWS, tl.program_id(2) * ROWS)
     i = tl.arange(0, 64)
     g0 = tl.zeros((ROWS, 64), dtype=tl.float32)
     g1 = tl.zeros((ROWS, 64), dtype=tl.float32)
@@ -214,6 +217,14 @@ def _finish_kernel(part_ptr, part_split_stride, gsvh_ptr, gsvh_stride, usvh_ptr,
 
 
 @triton.jit
+def _hi_lo(a, DOT_T: tl.constexpr):
+    """fp32 a as hi + lo in DOT_T (bf16: 16 significant bits together, for products with +-1
+    matrices accumulated in fp32; fp32 under the interpreter: lo = 0)."""
+    hi = a.to(DOT_T)
+    return hi, (a - hi.to(tl.float32)).to(DOT_T)
+
+
+@triton.jit
 def _swiglu(g, u, limit):
     if limit > 0:
         g = tl.minimum(g, limit)
@@ -223,9 +234,15 @@ def _swiglu(g, u, limit):
 
 @triton.jit
 def _down_kernel(act_ptr, dsum_ptr, dtr_ptr, dtr_stride, order_ptr, run_e_ptr, run_s_ptr, run_n_ptr, meta_ptr,
-                 y_ptr, y_split_stride,
+                 y_ptr, y_split_stride, w_ptr, svh_ptr, svh_stride,
                  H: tl.constexpr, INTER: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N2: tl.constexpr, DOWN_SPLIT: tl.constexpr, FAST: tl.constexpr):
+                 BLOCK_N2: tl.constexpr, DOWN_SPLIT: tl.constexpr, FAST: tl.constexpr, ROTATE: tl.constexpr,
+                 DOT_T: tl.constexpr):
+    """y[split, slot] before the output rotation (the combine applies it), or with ROTATE the
+    slot's finished contribution: Had128 per 128-column block / sqrt(128) * svh * routing weight,
+    in natural column order (the products' columns are the block's 8-of-16 halves, so the
+    rotation is four [ROWS, 64] x [64, 64] products with the Hadamard's rows permuted to match);
+    w_ptr / svh_ptr are read only with ROTATE."""
     r = tl.program_id(0)
     nb = tl.program_id(1)
     ks = tl.program_id(2)
@@ -246,8 +263,22 @@ def _down_kernel(act_ptr, dsum_ptr, dtr_ptr, dtr_stride, order_ptr, run_e_ptr, r
         base = dtr_ptr + e * dtr_stride + (col0 // 16) * 32 + ks * (KB * BKT * ROW_WORDS)
         acc0, acc1 = _run_gemv(base, a_ptrs, valid, ROW_WORDS, KB, BKT, ROWS, False, FAST)
         dst = y_ptr + ks * y_split_stride + slot[:, None] * H + col0
-        tl.store(dst + _n_of_half_row(half_row, 0)[None, :], affine_epilogue(acc0, ds), mask=valid[:, None])
-        tl.store(dst + _n_of_half_row(half_row, 1)[None, :], affine_epilogue(acc1, ds), mask=valid[:, None])
+        if ROTATE:
+            y0, y1 = affine_epilogue(acc0, ds), affine_epilogue(acc1, ds)
+            y0h, y0l = _hi_lo(y0, DOT_T)
+            y1h, y1l = _hi_lo(y1, DOT_T)
+            n0, n1 = _n_of_half_row(half_row, 0), _n_of_half_row(half_row, 1)
+            scale = tl.load(w_ptr + slot, mask=valid, other=0.0).to(tl.float32) * _INV128
+            sv = svh_ptr + e * svh_stride + col0 + half_row
+            for half in tl.static_range(2):  # output columns [0, 64) then [64, 128) of the block
+                h0 = _hadamard(n0, half_row + 64 * half).to(DOT_T)
+                h1 = _hadamard(n1, half_row + 64 * half).to(DOT_T)
+                out = tl.dot(y0h, h0) + tl.dot(y0l, h0) + tl.dot(y1h, h1) + tl.dot(y1l, h1)
+                out = out * scale[:, None] * tl.load(sv + 64 * half).to(tl.float32)[None, :]
+                tl.store(dst + 64 * half + half_row[None, :], out, mask=valid[:, None])
+        else:
+            tl.store(dst + _n_of_half_row(half_row, 0)[None, :], affine_epilogue(acc0, ds), mask=valid[:, None])
+            tl.store(dst + _n_of_half_row(half_row, 1)[None, :], affine_epilogue(acc1, ds), mask=valid[:, None])
 
 
 class DecodeWorkspace:
@@ -260,6 +291,7 @@ class DecodeWorkspace:
         i32, f32 = dict(dtype=torch.int32, device=device), dict(dtype=torch.float32, device=device)
         self.slots, self.runs = s, max_runs(s, experts)  # ROWS-slot runs: the most any config cuts
         self.order = torch.zeros(s, **i32)
+        self.counts = torch.zeros(experts + 1, **i32)  # slots per expert (torch-sorted run tables)
         self.run_e, self.run_s, self.run_n = (torch.zeros(self.runs, **i32) for _ in range(3))
         self.meta = torch.zeros(1, **i32)
         self.xrot = torch.empty((s, 2, hidden), dtype=torch.float16, device=device)
@@ -321,15 +353,20 @@ def exl3_moe_decode(x, topk_ids, topk_weights, gate, up, down, act_limit: float,
         ws.xrot, ws.xsum, gtr, gst, utr, ust, *run_table, ws.part, slots * 2 * inter,
         H=hidden, INTER=inter, ROWS=rows, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=fast,
         num_warps=cfg.warps, num_stages=cfg.stages)
-    _finish_kernel[(runs, inter // 128)](
+    _finish_kernel[(runs, inter // 128, rows // ROWS)](
         ws.part, slots * 2 * inter, gate[2], gate[2].stride(0), up[2], up[2].stride(0), down[1], down[1].stride(0),
-        *run_table, ws.act, ws.dsum, float(act_limit or 0.0), INTER=inter, ROWS=rows, SPLIT_K=cfg.split_k,
-        num_warps=finish_warps(rows))
+        *run_table, ws.act, ws.dsum, float(act_limit or 0.0), INTER=inter, ROWS=ROWS, SPLIT_K=cfg.split_k,
+        num_warps=4)
+    weights = topk_weights.reshape(-1)
+    weights = weights if weights.is_contiguous() else weights.contiguous()
     _down_kernel[(runs, hidden // cfg.block_n2, cfg.down_split)](
-        ws.act, ws.dsum, dtr, dst, *run_table, ws.y, slots * hidden,
+        ws.act, ws.dsum, dtr, dst, *run_table, ws.y, slots * hidden, weights, down[2], down[2].stride(0),
         H=hidden, INTER=inter, ROWS=rows, BLOCK_K=64, BLOCK_N2=cfg.block_n2, DOWN_SPLIT=cfg.down_split,
-        FAST=fast, num_warps=cfg.warps, num_stages=cfg.stages)
-    return combine_launch(x, ids, topk_weights, down[2], ws.y, slots * hidden, top_k, cfg.down_split)
+        FAST=fast, ROTATE=cfg.rotate_in_down, DOT_T=dot_dtype(), num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.rotate_in_down:  # each slot's finished contribution: the token's picks summed in order
+        y = ws.y[: cfg.down_split * slots].view(cfg.down_split, tokens, top_k, hidden)
+        return y.sum(dim=(0, 2)).to(x.dtype)
+    return combine_launch(x, ids, weights, down[2], ws.y, slots * hidden, top_k, cfg.down_split)
 
 
 # -- reference ---------------------------------------------------------------------------------------
@@ -361,32 +398,3 @@ def exl3_moe_decode_ref(x, topk_ids, topk_weights, gate, up, down, act_limit: fl
         out.index_add_(0, tok, (torch.nn.functional.silu(g) * u) @ wd * w[tok, pick].unsqueeze(1))
     return out
 
-
-def shipped_configs(hidden: int = 4096, intermediate: int = 256, top_k: int = 8, experts: int = 288,
-                    target_tokens: tuple[int, ...] = (1, 32)):
-    """(name, jit function, {arg: type}, {constexpr: value}, options) of every launch the path
-    makes at GLM-5.3-Flash's TP8 shape, for a cross-compile check (glmctl.kernels.sm89_check)."""
-    from .exl3_moe_rotate import rotate_configs
-
-    i64, f32 = "i64", "fp32"
-    runs = dict(order_ptr="*i32", run_e_ptr="*i32", run_s_ptr="*i32", run_n_ptr="*i32", meta_ptr="*i32")
-    yield from rotate_configs(hidden, top_k, experts, target_tokens, ROWS)
-    for split in sorted({c.split_k for c in DECODE_CONFIGS.values()}):
-        yield (f"exl3_decode_finish[split{split}]", _finish_kernel,
-               dict(part_ptr="*fp32", part_split_stride=i64, gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16",
-                    usvh_stride=i64, dsuh_ptr="*fp16", dsuh_stride=i64, act_ptr="*fp16", dsum_ptr="*fp32",
-                    act_limit=f32, **runs),
-               dict(INTER=intermediate, ROWS=ROWS, SPLIT_K=split), dict(num_warps=4, num_stages=1))
-    for cfg in DECODE_CONFIGS.values():
-        options = dict(num_warps=cfg.warps, num_stages=cfg.stages)
-        yield (f"exl3_decode_gate_up[{cfg.name}]", _gate_up_kernel,
-               dict(xrot_ptr="*fp16", xsum_ptr="*fp32", gtr_ptr="*i32", gtr_stride=i64, utr_ptr="*i32",
-                    utr_stride=i64, part_ptr="*fp32", part_split_stride=i64, **runs),
-               dict(H=hidden, INTER=intermediate, ROWS=ROWS, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=True),
-               options)
-        yield (f"exl3_decode_down[{cfg.name}]", _down_kernel,
-               dict(act_ptr="*fp16", dsum_ptr="*fp32", dtr_ptr="*i32", dtr_stride=i64, y_ptr="*fp32",
-                    y_split_stride=i64, **runs),
-               dict(H=hidden, INTER=intermediate, ROWS=ROWS, BLOCK_K=64, BLOCK_N2=cfg.block_n2,
-                    DOWN_SPLIT=cfg.down_split, FAST=True),
-               options)

@@ -1,20 +1,28 @@
 """Routed experts of one MoE layer at prefill sizes (T > MAX_TOKENS), EXL3 4-bit weights, in Triton:
-glmctl.kernels.exl3_moe_decode's five launches with 64-slot runs, over slices of at most
+glmctl.kernels.exl3_moe_decode's launches with 32- or 64-slot runs, over slices of at most
 `PREFILL_TOKENS` tokens.
 
 Why: at a 2,048-token chunk each of the 288 experts holds ~57 (token, expert) slots (T x 8 / 288).
 A run of up to 64 slots decodes an expert's weights once and feeds all its slots through the
 tensor cores ([64, 64] x [64, 64] products), so a chunk decodes each touched expert's weights
-about once per slice and does its 2 x T x 8 x 3 x H x I FLOPs on MMA; exllamav3's `exl3_moe`
-(the default prefill path) took 11.4 ms per layer for an 8,192-token chunk on the H200
-(bench/results/exl3-h200.md), ~10x its decode-rate floor.
+about once per slice and does its 2 x T x 8 x 3 x H x I FLOPs on MMA. exllamav3's `exl3_moe`
+(the default prefill path) took 3.32 ms per layer at 2,048 tokens on the H200, ~0.25 s of the
+rank's ~0.27 s prefill chunk (bench/results/exl3-prefill-h200.json).
 
-Slices: the run table is built by one program over the slice's slots (glmctl.kernels.
-exl3_moe_rotate), and the workspace's rotated inputs and slot outputs scale with the slice's slots,
-so a call is cut into slices of `slice_tokens` (default PREFILL_TOKENS) tokens; every launch of a
-slice is sized from its token count alone (no host sync, no data-dependent shape), so the path can
-also be captured. Workspace at GLM-5.3-Flash's TP8 shape and 2,048 tokens (16,384 slots): rotated
-inputs 268 MB (fp16, gate and up), slot outputs 268 MB (fp32), partials 34 MB, activations 8 MB.
+What differs from decode batches (measured there at 2,048 tokens, first version: prologue 1.13 ms,
+combine 0.69 ms, gate/up 0.53, down 0.35, finish 0.04):
+  * the run table: above exl3_moe_rotate.SORT_IN_KERNEL slots, torch sorts the slots by expert
+    (stable) and counts them before the prologue, whose one table program then only cuts runs;
+  * the output rotation (`DecodeConfig.rotate_in_down`): the down kernel rotates its [rows, 128]
+    blocks, scales them by svh and the routing weight, and the token's picks are summed after it
+    (torch, a fixed-order reduction) instead of a per-token combine launch;
+  * the finish kernel takes a long run in 16-row pieces (grid axis 2), as registers allow.
+
+Slices: the workspace's rotated inputs and slot outputs scale with the slice's slots, so a call
+is cut into slices of `slice_tokens` (default PREFILL_TOKENS) tokens; every launch of a slice is
+sized from its token count alone (no host sync, no data-dependent shape). Workspace at
+GLM-5.3-Flash's TP8 shape and 2,048 tokens (16,384 slots): rotated inputs 268 MB (fp16, gate and
+up), slot outputs 268 MB (fp32), partials 34 MB, activations 8 MB.
 """
 
 from __future__ import annotations

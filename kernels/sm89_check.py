@@ -170,16 +170,50 @@ def shipped_configs():
 
 
 def _exl3_configs():
-    """The EXL3 decode-batch MoE path at GLM-5.3-Flash's TP8 shape (every DECODE_CONFIGS entry,
-    the one-launch coop input preparation)."""
-    from . import exl3_coop_io, exl3_moe_decode
+    """The EXL3 MoE Triton path at GLM-5.3-Flash's TP8 shape (every DECODE_CONFIGS entry, the
+    prefill slice's run table), the one-launch coop input preparation."""
+    from . import exl3_coop_io
 
-    yield from exl3_moe_decode.shipped_configs()
+    yield from _exl3_moe_configs()
     yield ("exl3_coop_inputs", exl3_coop_io._coop_inputs_kernel,
            dict(x_ptr="*bf16", x_stride="i64", ids_ptr="*i32", w_ptr="*fp32", x16_ptr="*fp16",
                 ids64_ptr="*i64", w16_ptr="*fp16", clamp_ptr="*i64"),
            dict(H=4096, TOPK=8, TOPK_PAD=8, BLOCK=1024, CHECK=True), dict(num_warps=4, num_stages=1))
 
+
+
+def _exl3_moe_configs(hidden: int = 4096, intermediate: int = 256, top_k: int = 8, experts: int = 288,
+                      target_tokens: tuple[int, ...] = (1, 32)):
+    """Every launch of glmctl.kernels.exl3_moe_decode (decode batches) and exl3_moe_prefill (its
+    kernels with longer runs) at GLM-5.3-Flash's TP8 shape."""
+    import triton.language as tl
+
+    from .exl3_moe_decode import DECODE_CONFIGS, ROWS, _down_kernel, _finish_kernel, _gate_up_kernel
+    from .exl3_moe_rotate import rotate_configs
+
+    i64, f32 = "i64", "fp32"
+    runs = dict(order_ptr="*i32", run_e_ptr="*i32", run_s_ptr="*i32", run_n_ptr="*i32", meta_ptr="*i32")
+    yield from rotate_configs(hidden, top_k, experts, target_tokens, ROWS)
+    yield from rotate_configs(hidden, top_k, experts, (2048,), 64, combine=False)  # prefill: torch-sorted
+    for split in sorted({c.split_k for c in DECODE_CONFIGS.values()}):
+        yield (f"exl3_decode_finish[split{split}]", _finish_kernel,
+               dict(part_ptr="*fp32", part_split_stride=i64, gsvh_ptr="*fp16", gsvh_stride=i64, usvh_ptr="*fp16",
+                    usvh_stride=i64, dsuh_ptr="*fp16", dsuh_stride=i64, act_ptr="*fp16", dsum_ptr="*fp32",
+                    act_limit=f32, **runs),
+               dict(INTER=intermediate, ROWS=ROWS, SPLIT_K=split), dict(num_warps=4, num_stages=1))
+    for cfg in DECODE_CONFIGS.values():
+        options = dict(num_warps=cfg.warps, num_stages=cfg.stages)
+        yield (f"exl3_decode_gate_up[{cfg.name}]", _gate_up_kernel,
+               dict(xrot_ptr="*fp16", xsum_ptr="*fp32", gtr_ptr="*i32", gtr_stride=i64, utr_ptr="*i32",
+                    utr_stride=i64, part_ptr="*fp32", part_split_stride=i64, **runs),
+               dict(H=hidden, INTER=intermediate, ROWS=cfg.rows, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, FAST=True),
+               options)
+        yield (f"exl3_decode_down[{cfg.name}]", _down_kernel,
+               dict(act_ptr="*fp16", dsum_ptr="*fp32", dtr_ptr="*i32", dtr_stride=i64, y_ptr="*fp32",
+                    y_split_stride=i64, w_ptr="*fp32", svh_ptr="*fp16", svh_stride=i64, **runs),
+               dict(H=hidden, INTER=intermediate, ROWS=cfg.rows, BLOCK_K=64, BLOCK_N2=cfg.block_n2,
+                    DOWN_SPLIT=cfg.down_split, FAST=True, ROTATE=cfg.rotate_in_down, DOT_T=tl.bfloat16),
+               options)
 
 def _topk_packed_configs():
     """The packed top-k: every candidate on prefill rows (int32 lengths, row offsets), the

@@ -165,3 +165,25 @@ def test_captured_graph_replays_with_new_routing(layer, tokens):
         errs.append(_rel(y, _reference(torch, x, ids, w, layer[1])))
     RECORD.setdefault("graph_replay_vs_reference", {})[tokens] = errs
     assert max(errs) < 1e-2, errs
+
+
+@pytest.mark.parametrize("config, tokens", [("prefill_r64", 300), ("prefill_r32", 300),
+                                            ("prefill_r64_combine", 300), ("prefill_r64", 2100)])
+def test_prefill_configs_match_the_dequantised_reference(layer, config, tokens):
+    """glmctl.kernels.exl3_moe_prefill at prefill sizes (300 tokens x top-2 = 600 slots: the
+    torch-sorted run table; 2,100: a full 2,048-token slice and a short one), expert 0 in every
+    token's picks (runs of 64 cut from it), the rotation in the down kernel or the combine; two
+    calls give the same bits."""
+    import torch
+    from glmctl.kernels.exl3_moe_decode import DECODE_CONFIGS
+    from glmctl.kernels.exl3_moe_prefill import exl3_moe_prefill, prefill_workspace
+
+    x, ids, w = _routing(torch, tokens, 70, heavy=True)
+    ws = prefill_workspace(x.device, HIDDEN, INTER, TOP_K, EXPERTS)
+    clamped = torch.zeros((), dtype=torch.int64, device="cuda")
+    projs = layer[0]
+    y1 = exl3_moe_prefill(x, ids, w, *projs, LIMIT, clamped, ws, DECODE_CONFIGS[config])
+    y2 = exl3_moe_prefill(x, ids, w, *projs, LIMIT, clamped, ws, DECODE_CONFIGS[config])
+    err = _rel(y1, _reference(torch, x, ids, w, layer[1]))
+    RECORD.setdefault("prefill_vs_reference", {})[f"{config}@{tokens}"] = err
+    assert y1.dtype == x.dtype and err < 1e-2 and torch.equal(y1, y2), err

@@ -284,13 +284,19 @@ def test_moe_decode_at_the_bench_routing_stays_inside_its_buffers():
 
 
 @interpreted
-@pytest.mark.parametrize("config, slice_tokens", [("prefill_r64", 96), ("prefill_r32", 40), ("prefill_r64", 24)])
-def test_moe_prefill_matches_the_reference_layer(config, slice_tokens):
+@pytest.mark.parametrize("config, slice_tokens, torch_sorted", [
+    ("prefill_r64", 96, False), ("prefill_r32", 40, True), ("prefill_r64", 24, True),
+    ("prefill_r64_combine", 96, True), ("prefill_r64", 96, True)])
+def test_moe_prefill_matches_the_reference_layer(config, slice_tokens, torch_sorted, monkeypatch):
     """Prefill sizes (more tokens than the decode path holds) through 32- and 64-slot runs: expert 0
     in every token's top-k (96 slots: two 64-slot runs, three 32-slot runs), the call cut into
     slices of the workspace's tokens (96: one slice; 40: three, the last short; 24: four), the
-    slices' outputs in order."""
+    slices' outputs in order; the run table sorted in the kernel or by torch first (the threshold
+    lowered so these sizes take it), the output rotation in the down kernel or the combine."""
+    from glmctl.kernels import exl3_moe_rotate
     from glmctl.kernels.exl3_moe_prefill import exl3_moe_prefill, prefill_workspace
+
+    monkeypatch.setattr(exl3_moe_rotate, "SORT_IN_KERNEL", 16 if torch_sorted else 4096)
 
     experts, hidden, inter, top_k, tokens = 6, 256, 128, 2, 96
     gate, up, down = _layer(experts, hidden, inter, seed=41)

@@ -293,3 +293,34 @@ def test_auto_runs_the_coop_kernel_with_inputs_prepared_once_and_exl3_moe_past_i
     ids, w = _routing(257, 6, 2, 6)
     moe(x, ids, w)
     assert prepared == [5] and converted == [257] and fake.coop_calls == 1 and fake.launches
+
+
+def test_triton_prefill_takes_every_batch_past_the_decode_paths(fake):
+    """GLMCTL_EXL3_PREFILL=triton: batches past what the decode path holds (coop: two calls of 256
+    slots, 256 tokens at this layer's top-2, 64 at the model's top-8) go to glmctl's Triton prefill (its kernels are checked in tests/unit/test_exl3_decode_kernel.py), never exllamav3's
+    exl3_moe; decode batches keep their path; without a Triton path (not 4-bit) exl3_moe runs."""
+    import torch
+
+    moe = _layer(fake, decode="coop")
+    moe.prefill_mode = "triton"
+    calls = []
+
+    class Stub:
+        def prefill(self, x, ids, w, clamped):
+            calls.append(x.shape[0])
+            return torch.zeros_like(x)
+
+    moe._triton = Stub()
+    for tokens in (257, 300):
+        x = torch.randn(tokens, 256).bfloat16()
+        ids, w = _routing(tokens, 6, 2, tokens)
+        assert moe(x, ids, w).shape == x.shape
+    x = torch.randn(8, 256).bfloat16()
+    ids, w = _routing(8, 6, 2, 1)
+    moe(x, ids, w)
+    assert calls == [257, 300] and fake.coop_calls == 1 and not fake.launches
+    moe._triton = None
+    x = torch.randn(300, 256).bfloat16()
+    ids, w = _routing(300, 6, 2, 2)
+    y = moe(x, ids, w)
+    assert fake.launches and _rel(y, _reference(moe, x, ids, w)) < 1e-2

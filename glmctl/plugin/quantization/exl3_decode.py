@@ -8,7 +8,8 @@ Paths (`GLMCTL_EXL3_DECODE`, or `Exl3MoE.decode_kernel`):
              to 64 tokens)
   fused      exllamav3's `exl3_moe` at every size
   auto       `pick_decode_path` below
-Every path is CUDA-graph safe and sync-free; sizes no path holds fall through to `exl3_moe`.
+Every path is CUDA-graph safe and sync-free; sizes no path holds fall through to `exl3_moe`, or
+with GLMCTL_EXL3_PREFILL=triton to `TritonDecode.prefill` (glmctl.kernels.exl3_moe_prefill).
 """
 
 from __future__ import annotations
