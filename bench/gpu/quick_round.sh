@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call without staging vLLM (~4 minutes): every glmctl kernel's GPU tests against its
+# torch reference (the comparisons with vLLM's kernels skip), then the EXL3 prefill A/B at 2,048
+# and 8,192 tokens (exllamav3's exl3_moe vs glmctl's Triton prefill, with each path's distance
+# from the first) and its per-kernel profile at 2,048 tokens. For when device time is short:
+# staging vLLM costs ~3 calls before anything runs.
+#
+#   there, carry [".whl"]:   bash bench/gpu/quick_round.sh          timeout_s 330
+#
+# QUICK_TESTS_SECONDS (default 150) bounds the tests, QUICK_BENCH_SECONDS (120) the bench,
+# QUICK_PROFILE_SECONDS (45) the profile. Writes under $OUT: quick-tests.log, moe-bench.{json,md},
+# prefill-bench.log, prefill-profile.txt, exl3-decode-record.json; prints the tables last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/out/quick}
+mkdir -p "$OUT"
+for p in kernels quantize profiles; do [ -e "glmctl/$p" ] || ln -s "../$p" "glmctl/$p"; done
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > /dev/null 2>&1 || echo "installing the carried wheels failed (exllamav3 rows will be missing)"
+export PYTHONPATH=/tmp/site:$PWD:$PWD/.whl/ext PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+export GLMCTL_EXL3_RECORD=$OUT/exl3-decode-record.json
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+timeout "${QUICK_TESTS_SECONDS:-150}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+  tests/gpu/test_exl3_decode.py tests/gpu/test_mhc_gpu.py tests/gpu/test_topk_gpu.py tests/gpu/test_kda_gpu.py \
+  tests/gpu/test_fp8_linear_gpu.py > "$OUT/quick-tests.log" 2>&1
+echo "tests exit $? ($(grep -E '[0-9]+ (passed|failed)' "$OUT/quick-tests.log" | tail -1))"
+
+timeout "${QUICK_BENCH_SECONDS:-120}" python3 bench/exl3.py --tokens 2 --paths exl3_coop_lean --prefill 2048,8192 \
+  --prefill-paths exl3_auto,exl3_prefill_triton,exl3_prefill_triton.prefill_r64_combine,exl3_prefill_triton.prefill_r32,bf16_torch \
+  --no-launches --out "$OUT" > "$OUT/prefill-bench.log" 2>&1
+echo "prefill bench exit $?"
+timeout "${QUICK_PROFILE_SECONDS:-45}" python3 bench/gpu/exl3_prefill_profile.py 2048 triton,recon \
+  > "$OUT/prefill-profile.txt" 2>&1
+echo "prefill profile exit $?"
+
+grep -E "^(FAILED|ERROR)" "$OUT/quick-tests.log" | cut -c1-200 | head -20
+grep -E "^== |_kernel|exl3_moe_kernel|Self CUDA time total" "$OUT/prefill-profile.txt" | cut -c1-40,100-150 | head -20
+grep -E '"mode": "eager"' "$OUT/prefill-bench.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(f\"{r['path']:<42} {r['tokens']:>5} {r['us']:>9.1f} us  err {r.get('rel_err_vs_first_exl3', float('nan')):.2e}\")"
