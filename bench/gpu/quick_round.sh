@@ -2,7 +2,8 @@
 # One device call without staging vLLM (~4 minutes): every glmctl kernel's GPU tests against its
 # torch reference (the comparisons with vLLM's kernels skip), then the EXL3 prefill A/B at 2,048
 # and 8,192 tokens (exllamav3's exl3_moe vs glmctl's Triton prefill, with each path's distance
-# from the first) and its per-kernel profile at 2,048 tokens. For when device time is short:
+# from the first) and its per-kernel profile at 2,048 tokens, under DISABLE_MMA_V3=1 (Triton then
+# gives Hopper the mma.sync code an sm_89 node runs; exllamav3's CUDA kernel is unaffected). For when device time is short:
 # staging vLLM costs ~3 calls before anything runs.
 #
 #   there, carry [".whl"]:   bash bench/gpu/quick_round.sh          timeout_s 330
@@ -26,6 +27,8 @@ timeout "${QUICK_TESTS_SECONDS:-150}" python3 -m pytest -m gpu -q -rs -p no:cach
   tests/gpu/test_fp8_linear_gpu.py > "$OUT/quick-tests.log" 2>&1
 echo "tests exit $? ($(grep -E '[0-9]+ (passed|failed)' "$OUT/quick-tests.log" | tail -1))"
 
+# Ada's instructions: the 64-slot prefill products reach wgmma's M on Hopper, which an sm_89 node lacks
+export DISABLE_MMA_V3=1
 timeout "${QUICK_BENCH_SECONDS:-120}" python3 bench/exl3.py --tokens 2 --paths exl3_coop_lean --prefill 2048,8192 \
   --prefill-paths exl3_auto,exl3_prefill_triton,exl3_prefill_triton.prefill_r64_combine,exl3_prefill_triton.prefill_r32,bf16_torch \
   --no-launches --out "$OUT" > "$OUT/prefill-bench.log" 2>&1
