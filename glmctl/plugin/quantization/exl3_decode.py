@@ -50,13 +50,16 @@ class TritonDecode:
     def supports(bits: float, hidden: int, intermediate: int) -> bool:
         return bits == 4 and hidden % 256 == 0 and intermediate % 128 == 0
 
-    def workspace(self, device, top_k: int):
+    def workspace(self, device, top_k: int, prefill: bool = False):
+        """The shared scratch of this shape: a decode batch's, or one prefill slice's."""
         from glmctl.kernels.exl3_moe_decode import DecodeWorkspace
+        from glmctl.kernels.exl3_moe_prefill import prefill_workspace
 
-        key = (device, self.hidden, self.intermediate, top_k, self.experts)
+        key = (device, self.hidden, self.intermediate, top_k, self.experts, prefill)
         ws = self._workspaces.get(key)
         if ws is None:
-            ws = self._workspaces[key] = DecodeWorkspace(device, self.hidden, self.intermediate, top_k, self.experts)
+            make = prefill_workspace if prefill else DecodeWorkspace
+            ws = self._workspaces[key] = make(device, self.hidden, self.intermediate, top_k, self.experts)
         return ws
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -69,16 +72,10 @@ class TritonDecode:
     def prefill(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 clamped: torch.Tensor) -> torch.Tensor:
         """Any number of tokens, in slices of 64-slot runs (glmctl.kernels.exl3_moe_prefill)."""
-        from glmctl.kernels.exl3_moe_prefill import exl3_moe_prefill, prefill_workspace
+        from glmctl.kernels.exl3_moe_prefill import exl3_moe_prefill
 
-        top_k = topk_ids.shape[1]
-        key = (x.device, self.hidden, self.intermediate, top_k, self.experts, "prefill")
-        ws = self._workspaces.get(key)
-        if ws is None:
-            ws = self._workspaces[key] = prefill_workspace(x.device, self.hidden, self.intermediate, top_k,
-                                                           self.experts)
-        return exl3_moe_prefill(x, topk_ids, topk_weights, *self.projections, self.act_limit, clamped, ws,
-                                _named_config(prefill=True))
+        return exl3_moe_prefill(x, topk_ids, topk_weights, *self.projections, self.act_limit, clamped,
+                                self.workspace(x.device, topk_ids.shape[1], prefill=True), _named_config(prefill=True))
 
 
 def _named_config(prefill: bool):
