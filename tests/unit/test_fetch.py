@@ -313,8 +313,11 @@ def test_ctrl_c_stops_a_fetch_at_once_and_says_what_is_kept(hub, tmp_path):
     hub.faults["file:model-00001-of-00002.safetensors"] = "hang"
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "",
            "HF_HUB_DISABLE_TELEMETRY": "1"}
+    # as at a terminal: a shell starts background jobs (a CI script's `make test &`, nohup) with
+    # SIGINT ignored, and a child inherits that, so the test restores the default disposition
     proc = subprocess.Popen([sys.executable, "-m", "glmctl", "fetch", "org/tiny", "--local-dir", str(tmp_path / "x")],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not _gets(hub, "model-00001") and time.monotonic() < deadline:
         time.sleep(0.1)
