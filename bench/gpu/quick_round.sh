@@ -9,7 +9,8 @@
 #   there, carry [".whl"]:   bash bench/gpu/quick_round.sh          timeout_s 330
 #
 # QUICK_TESTS_SECONDS (default 150) bounds the tests, QUICK_BENCH_SECONDS (120) the bench,
-# QUICK_PROFILE_SECONDS (45) the profile. Writes under $OUT: quick-tests.log, moe-bench.{json,md},
+# QUICK_PROFILE_SECONDS (45) the profile; 0 skips the tests or the profile (after switch_lane.sh,
+# which runs the kernels' tests, in the same call). Writes under $OUT: quick-tests.log, moe-bench.{json,md},
 # prefill-bench.log, prefill-profile.txt, exl3-decode-record.json; prints the tables last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,10 +23,12 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/.whl/ext PYTHONUNBUFFERED=1 TRITON_DEFAULT
 export GLMCTL_EXL3_RECORD=$OUT/exl3-decode-record.json
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-timeout "${QUICK_TESTS_SECONDS:-150}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-  tests/gpu/test_exl3_decode.py tests/gpu/test_mhc_gpu.py tests/gpu/test_topk_gpu.py tests/gpu/test_kda_gpu.py \
-  tests/gpu/test_fp8_linear_gpu.py > "$OUT/quick-tests.log" 2>&1
-echo "tests exit $? ($(grep -E '[0-9]+ (passed|failed)' "$OUT/quick-tests.log" | tail -1))"
+if [ "${QUICK_TESTS_SECONDS:-150}" -gt 0 ]; then
+  timeout "${QUICK_TESTS_SECONDS:-150}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+    tests/gpu/test_exl3_decode.py tests/gpu/test_mhc_gpu.py tests/gpu/test_topk_gpu.py tests/gpu/test_kda_gpu.py \
+    tests/gpu/test_fp8_linear_gpu.py > "$OUT/quick-tests.log" 2>&1
+  echo "tests exit $? ($(grep -E '[0-9]+ (passed|failed)' "$OUT/quick-tests.log" | tail -1))"
+fi
 
 # Ada's instructions: the 64-slot prefill products reach wgmma's M on Hopper, which an sm_89 node lacks
 export DISABLE_MMA_V3=1
@@ -33,12 +36,14 @@ timeout "${QUICK_BENCH_SECONDS:-120}" python3 bench/exl3.py --tokens 2 --paths e
   --prefill-paths exl3_auto,exl3_prefill_triton,exl3_prefill_triton.prefill_r64_combine,exl3_prefill_triton.prefill_r32,bf16_torch \
   --no-launches --out "$OUT" > "$OUT/prefill-bench.log" 2>&1
 echo "prefill bench exit $?"
-timeout "${QUICK_PROFILE_SECONDS:-45}" python3 bench/gpu/exl3_prefill_profile.py 2048 triton,recon \
-  > "$OUT/prefill-profile.txt" 2>&1
-echo "prefill profile exit $?"
+if [ "${QUICK_PROFILE_SECONDS:-45}" -gt 0 ]; then
+  timeout "${QUICK_PROFILE_SECONDS:-45}" python3 bench/gpu/exl3_prefill_profile.py 2048 triton,recon \
+    > "$OUT/prefill-profile.txt" 2>&1
+  echo "prefill profile exit $?"
+fi
 
-grep -E "^(FAILED|ERROR)" "$OUT/quick-tests.log" | cut -c1-200 | head -20
-grep -E "^== |_kernel|exl3_moe_kernel|Self CUDA time total" "$OUT/prefill-profile.txt" | cut -c1-40,100-150 | head -20
+grep -sE "^(FAILED|ERROR)" "$OUT/quick-tests.log" | cut -c1-200 | head -20
+grep -sE "^== |_kernel|exl3_moe_kernel|Self CUDA time total" "$OUT/prefill-profile.txt" | cut -c1-40,100-150 | head -20
 grep -E '"mode": "eager"' "$OUT/prefill-bench.log" | python3 -c "
 import json, sys
 for line in sys.stdin:
