@@ -10,7 +10,8 @@
 #
 # QUICK_TESTS_SECONDS (default 150) bounds the tests, QUICK_BENCH_SECONDS (120) the bench,
 # QUICK_PROFILE_SECONDS (45) the profile; 0 skips the tests or the profile (after switch_lane.sh,
-# which runs the kernels' tests, in the same call). Writes under $OUT: quick-tests.log, moe-bench.{json,md},
+# which runs the kernels' tests, in the same call); QUICK_PREFILL_TOKENS and QUICK_PREFILL_PATHS
+# narrow the A/B. Writes under $OUT: quick-tests.log, moe-bench.{json,md},
 # prefill-bench.log, prefill-profile.txt, exl3-decode-record.json; prints the tables last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,8 +33,8 @@ fi
 
 # Ada's instructions: the 64-slot prefill products reach wgmma's M on Hopper, which an sm_89 node lacks
 export DISABLE_MMA_V3=1
-timeout "${QUICK_BENCH_SECONDS:-120}" python3 bench/exl3.py --tokens 2 --paths exl3_coop_lean --prefill 2048,8192 \
-  --prefill-paths exl3_auto,exl3_prefill_triton,exl3_prefill_triton.prefill_r64_combine,exl3_prefill_triton.prefill_r32,bf16_torch \
+timeout "${QUICK_BENCH_SECONDS:-120}" python3 bench/exl3.py --tokens 2 --paths exl3_coop_lean --prefill "${QUICK_PREFILL_TOKENS:-2048,8192}" \
+  --prefill-paths "${QUICK_PREFILL_PATHS:-exl3_auto,exl3_prefill_triton,exl3_prefill_triton.prefill_r64_combine,exl3_prefill_triton.prefill_r32,bf16_torch}" \
   --no-launches --out "$OUT" > "$OUT/prefill-bench.log" 2>&1
 echo "prefill bench exit $?"
 if [ "${QUICK_PROFILE_SECONDS:-45}" -gt 0 ]; then
