@@ -124,7 +124,8 @@ class Server:
                     **({"detailed_trace_annotation": True} if "prefill" in str(getattr(a, "cells", "")).split(",")
                        else {})})]
         if a.mtp:
-            argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": a.mtp})]
+            argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": a.mtp,
+                                                                 "use_local_argmax_reduction": True})]
         if a.enforce_eager:
             argv += ["--enforce-eager"]
         return argv

@@ -44,7 +44,7 @@ EXTRA_PROMPTS = {"sparse-text": "The quick brown fox jumps over the lazy dog. " 
                  "issue-fibonacci": lane_fixture.PROMPTS["fibonacci"],
                  "issue-config": lane_fixture.PROMPTS["config"]}
 STDLIB = "stdlib-384"  # the FP8-attention test's text (tests/vllm/test_plugin_fp8_attention.py)
-MTP = {"method": "mtp", "num_speculative_tokens": 3}
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "use_local_argmax_reduction": True}  # as glmctl serves it
 MODES = {"eager": {"enforce_eager": True},
          "full": {"compilation_config": {"cudagraph_mode": "FULL"}},
          "piecewise": {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},

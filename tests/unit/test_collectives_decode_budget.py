@@ -26,6 +26,25 @@ def test_the_calls_follow_the_layers_and_the_drafts():
     assert sum(c.count for c in decode_step_collectives(GLM, 8, 1, 0)) == 2 * 45 + 1 + 1
 
 
+def test_the_drafts_gather_token_pairs_as_glmctl_serves_them():
+    from glmctl.serving import profiles
+    from glmctl.serving.launch_files import _speculative_config
+
+    assert _speculative_config(profiles.load("commercial"))["use_local_argmax_reduction"] is True
+    pairs = [c for c in decode_step_collectives(GLM, 8, 8, 3) if c.what.startswith("MTP") and c.op == "all_gather"]
+    logits = [c for c in decode_step_collectives(GLM, 8, 8, 3, draft_argmax=False)
+              if c.what.startswith("MTP") and c.op == "all_gather"]
+    assert [(c.bytes, c.dtype, c.count) for c in pairs] == [(32 * 8, "fp32", 1), (8 * 8, "fp32", 2)]
+    assert [c.bytes for c in logits] == [32 * GLM.vocab_size // 8 * 2, 8 * GLM.vocab_size // 8 * 2]
+    with_pairs = {r["cell"]: r["ms"] for r in decode_step_prediction(GLM)}
+    for cell, sessions in (("8x22k", 8), ("1x64k", 1)):
+        from glmctl.plan.prediction.decode_collectives import _priced
+
+        old = sum(p["count"] * p["us"] for p in _priced(decode_step_collectives(GLM, 8, sessions, 3,
+                                                                                draft_argmax=False), 8, None, None))
+        assert with_pairs[cell] < old / 1e3
+
+
 def test_each_cell_is_the_sum_of_its_calls_on_the_auto_paths():
     rows = {r["cell"]: r for r in decode_step_prediction(GLM)}
     assert set(rows) == {"8x22k", "1x64k"}

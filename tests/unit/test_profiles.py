@@ -37,7 +37,8 @@ def test_commercial_renders_the_reports_commercial_stack(tmp_path):
     assert c["model"] == str(tmp_path.absolute())
     assert c["tensor-parallel-size"] == 8 and c["max-num-seqs"] == 8 and c["max-model-len"] == 262144
     assert c["kv-cache-dtype"] == "fp8"
-    assert c["speculative-config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert c["speculative-config"] == {"method": "mtp", "num_speculative_tokens": 3,
+                                       "use_local_argmax_reduction": True}
     assert c["compilation-config"] == {"max_cudagraph_capture_size": 48}
     assert c["enable-chunked-prefill"] is True and c["max-num-batched-tokens"] > 0
     assert c["disable-custom-all-reduce"] is True

@@ -32,7 +32,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("GLMCTL_PLUGIN", "auto")
 os.environ.pop("GLMCTL_PLUGIN_ACTIVE", None)
 
-SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+SPEC = {"method": "mtp", "num_speculative_tokens": 3, "use_local_argmax_reduction": True}  # as glmctl serves it
 # Which draft (0-based) the oracle corrupts at its n-th verify step, cyclically: None keeps all
 # three (3 accepted), 2 -> 2 accepted, 1 -> 1, 0 -> 0.
 CORRUPT = (None, 2, 1, 0)

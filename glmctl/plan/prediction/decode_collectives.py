@@ -23,11 +23,15 @@ DECODE_CELLS = (("8x22k", 8), ("1x64k", 1))
 INT8_PAYLOAD_RATIO = (1 + 4 / 128) / 2  # INT8 records of 128-element groups vs bf16
 
 
-def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: int) -> list[Collective]:
+def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: int, *,
+                            draft_argmax: bool = True) -> list[Collective]:
     """The collectives one decode (verify) step makes on each rank of a TP-`tp` node, bf16 payloads:
     per layer the attention o_proj and the MLP/MoE output all-reduce (row-parallel), one for the
     vocab-parallel embedding, the logits all-gather; each MTP draft pass repeats embedding, its
-    layer's two, and the logits (first pass over every verified token, later ones one per sequence)."""
+    layer's two, and picks its draft tokens (first pass over every verified token, later ones one
+    per sequence). `draft_argmax` (what `glmctl serve` configures: vLLM's
+    use_local_argmax_reduction) gathers each rank's (max, index) pair per token as fp32 instead of
+    the pass's logits."""
     tokens = sessions * (1 + num_spec)
     row = model.hidden_size * 2
     vocab_rank = -(-model.vocab_size // 64) * 64 // tp
@@ -39,9 +43,11 @@ def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: 
     if num_spec:
         for label, n, passes in (("first draft pass", tokens, 1), ("later draft passes", sessions, num_spec - 1)):
             if passes:
-                calls += [Collective(op="all_reduce", bytes=n * row, count=3 * passes, what=f"MTP {label}"),
-                          Collective(op="all_gather", bytes=n * vocab_rank * 2, count=passes,
-                                     what=f"MTP {label} logits")]
+                calls.append(Collective(op="all_reduce", bytes=n * row, count=3 * passes, what=f"MTP {label}"))
+                calls.append(Collective(op="all_gather", bytes=n * 2 * 4, count=passes, dtype="fp32",
+                                        what=f"MTP {label} top tokens") if draft_argmax else
+                             Collective(op="all_gather", bytes=n * vocab_rank * 2, count=passes,
+                                        what=f"MTP {label} logits"))
     return calls
 
 
@@ -132,11 +138,6 @@ def _levers(model: ModelSpec, priced: list[dict], base: float, n: int, int8_rel_
     yield ("one all-reduce per layer", base - model.num_hidden_layers * layer["us"],
            f"{model.num_hidden_layers} fewer {layer['bytes'] // 1024} KiB calls at {layer['us']:.1f} "
            "us (attention and MoE outputs reduced once: a model change, not exact)")
-    drafts = [p for p in priced if p["op"] == "all_gather" and p["what"].startswith("MTP")]
-    yield ("draft logits as a vocab-parallel argmax",
-           base - sum(p["count"] * data[id(p)] for p in drafts),
-           "the MTP passes gather (max, index) per token instead of their logits (exact for "
-           "greedy drafting, first index on ties): their gathers' bytes all but vanish")
     to_one = base
     for p in priced:
         if p["op"] == "all_gather":  # rank 0 receives n-1 parts; n parts written, n-1 read once

@@ -11,7 +11,8 @@ bandwidth-bound kinds (stand-in measured / L40 datasheet), tensor throughput for
 nothing for launch gaps (kernel-launch latency inside a CUDA graph is the GPU front end's, taken as
 equal). The rank model runs no collectives; the node's are added from the model's own call list
 (`decode_collectives.decode_step_collectives`: two all-reduces per layer, the vocab-parallel embedding's all-reduce,
-the logits all-gather, and the same for each MTP draft pass) timed by a `CollectiveTimeModel`
+the logits all-gather, and for each MTP draft pass its layer's all-reduces and its draft tokens' (max,
+index) gather) timed by a `CollectiveTimeModel`
 (default: `glmctl.collectives.cost_model.time`, the host-staged protocol's model of the node).
 Tokens per second = sessions x tokens per step / step time, with tokens per step a stated
 acceptance, never a measurement (random weights make the measured acceptance meaningless).
