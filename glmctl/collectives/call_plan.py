@@ -99,18 +99,14 @@ class DirectLimits:
 
     def int8_algorithm(self, op: Op, numel: int, elem_bytes: int, world: int,
                        group: int = DEFAULT_GROUP) -> Algorithm | None:
-        """The direct path of a small all-reduce sent as INT8: always two shots. A two-shot call
-        moves each element once each way as an INT8 record (about 0.52 of bf16's bytes), where
-        INT8 words could save little on LL (each word carries its 4-byte epoch; the 4 payload
-        bytes and the group scales would have to share it) and one shot reads n - 1 whole
-        messages. Within the direct path's reach (`max_bytes`, whichever way it would send the
-        bf16 message) and when the records and the reduced chunk's record fit one slot."""
-        if op != "all_reduce" or world < 2 or numel * elem_bytes > self.max_bytes:
-            return None
+        """A small all-reduce sent as INT8 always takes two shots: each element crosses once each
+        way as a record (~0.52 of bf16's bytes); LL words carry a 4-byte epoch each (little left
+        to save) and one shot reads n - 1 whole messages. Within the direct path's reach
+        (`max_bytes`), when the records and the reduced chunk's record fit one slot."""
         layout = int8_layout(numel, world, group)
-        if align_up(layout.total_bytes) + layout.record_bytes > self.capacity:
-            return None
-        return "direct_2s"
+        fit = align_up(layout.total_bytes) + layout.record_bytes <= self.capacity
+        ok = op == "all_reduce" and numel * elem_bytes <= self.max_bytes and fit
+        return "direct_2s" if ok else None
 
     def algorithm(self, op: Op, numel: int, elem_bytes: int, world: int) -> Algorithm | None:
         nbytes = numel * elem_bytes
@@ -270,13 +266,11 @@ def plan_all_reduce(
     then, with one more barrier); above that, reduce-scatter + all-gather, which reads 2(n-1)/n
     of the message instead of n-1."""
     nbytes = numel * elem_bytes
-    if int8:
-        if direct.int8_algorithm("all_reduce", numel, elem_bytes, world, group) is not None:
-            return _direct_int8_plan(numel, elem_bytes, world, direct.capacity, group)
-    else:
-        small = direct.algorithm("all_reduce", numel, elem_bytes, world)
-        if small is not None:
-            return _direct_plan("all_reduce", small, numel, elem_bytes, world, direct.capacity)
+    small = (direct.int8_algorithm("all_reduce", numel, elem_bytes, world, group) if int8 else
+             direct.algorithm("all_reduce", numel, elem_bytes, world))
+    if small is not None:
+        return _direct_plan("all_reduce", small, numel, elem_bytes, world, direct.capacity,
+                            int8_layout(numel, world, group) if int8 else None)
     two_shot = world > 2 and nbytes > one_shot_max_bytes
     chunks = world if two_shot else 1
     if int8:
@@ -339,22 +333,13 @@ def plan_all_gather(
 
 
 def _direct_plan(op: Op, algorithm: Algorithm, numel: int, elem_bytes: int, world: int,
-                 capacity: int) -> CollectivePlan:
+                 capacity: int, layout: Int8Layout | None = None) -> CollectivePlan:
+    """`layout`: INT8 records (`direct_2s` only), whose chunks the call's are."""
     chunk = direct_chunk_elems(numel, world) if algorithm == "direct_2s" else numel
-    return CollectivePlan(op=op, algorithm=algorithm, int8=False, world=world, numel=numel,
-                          elem_bytes=elem_bytes, slot_stride=capacity, chunk_elems=chunk,
-                          result_stride=0, layout=None, d2h="sm", h2d="sm")
-
-
-def _direct_int8_plan(numel: int, elem_bytes: int, world: int, capacity: int,
-                      group: int) -> CollectivePlan:
-    """`direct_2s` with INT8 records: the chunks are the records' (`int8_layout` with `world`
-    chunks, a multiple of `group` elements each)."""
-    layout = int8_layout(numel, world, group)
-    return CollectivePlan(op="all_reduce", algorithm="direct_2s", int8=True, world=world,
+    return CollectivePlan(op=op, algorithm=algorithm, int8=layout is not None, world=world,
                           numel=numel, elem_bytes=elem_bytes, slot_stride=capacity,
-                          chunk_elems=layout.chunk_elems, result_stride=0, layout=layout,
-                          d2h="sm", h2d="sm")
+                          chunk_elems=layout.chunk_elems if layout else chunk, result_stride=0,
+                          layout=layout, d2h="sm", h2d="sm")
 
 
 def direct_result_offset(plan: CollectivePlan) -> int:

@@ -190,3 +190,27 @@ def collect(x, out, area: DirectArea, **kw) -> None:
     """Keywords: `collect_args`'."""
     args, meta = collect_args(x, out, area, **kw)
     _collect_int8_kernel[(DIRECT_PROGRAMS,)](*args, **meta)
+
+
+def sm89_configs():
+    """(name, jit function, {arg: type}, {constexpr: value}, options) for `kernels.sm89_check`:
+    every rank count's tile (2, 4, 8 ranks) at the default group, and the largest group."""
+    from glmctl.collectives.call_plan import DEFAULT_GROUP, GROUPS_ALLOWED
+
+    i32, i64 = "i32", "i64"
+    pub = dict(x="*bf16", slot8="*i8", slot32="*fp32", epochs="*i32", numel=i32, n_groups=i32,
+               chunk_elems=i32, rec_bytes=i32, capacity=i32, rank=i32, world=i32)
+    col = dict(x="*bf16", out="*bf16", slot8="*i8", slot32="*fp32", flags="*i32", epochs="*i32",
+               abort="*i32", status="*i32", epoch_word="*i32", tick_dev="*i32", tick_host="*i32",
+               numel=i32, chunk_elems=i32, rec_bytes=i32, res_off=i64, capacity=i32, rank=i32,
+               world=i32, wait_status=i32, done_status=i32)
+    for group in (DEFAULT_GROUP, max(GROUPS_ALLOWED)):
+        yield (f"direct_int8_publish[G{group}]", _publish_int8_kernel, pub,
+               dict(G=group, GPP=max(1, TILE // group)), dict(num_warps=4))
+        for world in (2, 4, 8):
+            wp2, gpp = tile_groups(world, group)
+            for round_ in (0, 1):
+                yield (f"direct_int8_collect[G{group} {world} ranks round {round_}]",
+                       _collect_int8_kernel, col,
+                       dict(ROUND=round_, BUMP=round_ == 1, PHASE=3, WP2=wp2, TICK=round_ == 1,
+                            G=group, GPP=gpp), dict(num_warps=4))

@@ -161,9 +161,9 @@ def test_in_place_and_the_own_chunk_stays_native():
 
 
 @interpreted
-def test_a_peer_that_never_published_is_caught_by_the_bound():
-    """The checks can fail: a stale record (the call's publish skipped on one rank) breaks both
-    the agreement with the reference and the error bound."""
+def test_a_rank_that_publishes_wrong_records_fails_the_checks():
+    """The checks can fail: rank 2 encodes an empty message (all-zero records) in place of its
+    own, and the result leaves the error bound."""
     world, numel = 4, 2048
     group, plan = Area(world), _plan(numel, torch.bfloat16, world)
     g = torch.Generator().manual_seed(9)
@@ -172,11 +172,11 @@ def test_a_peer_that_never_published_is_caught_by_the_bound():
     k = direct_int8_kernels
     real = k.publish_args
 
-    def skip_rank2(x, area, **kw):
+    def zero_rank2(x, area, **kw):
         args, meta = real(x, area, **kw)
         return (args[:4] + (0,) + args[5:], meta) if kw["rank"] == 2 else (args, meta)  # numel 0
 
-    k.publish_args = skip_rank2
+    k.publish_args = zero_rank2
     try:
         _all_reduce_every_rank(group, plan, xs, outs)
     finally:
