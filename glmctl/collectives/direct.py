@@ -11,13 +11,14 @@ barrier memory operations. Three ways (`plan.algorithm`; `call_plan.DirectLimits
   fence, collect round 0 (reduce this rank's chunk over every slot, publish the sum), fence,
   collect round 1 (gather the peers' sums). At 8 ranks it moves 2.75 bytes per payload byte per
   rank, against 8 (`direct_1s`) and 16 (`direct_ll`), for one more kernel, fence and flag round.
-  With INT8 payloads (`plan.int8`; `direct_int8_kernels.py` has the record layout) the same three
-  kernels publish the peers' chunks as INT8 records, reduce the own chunk from the peers' records
-  and the own native elements in fp32 in rank order, and publish the sum as one more record that
-  every rank, its reducer included, decodes: so every rank holds the same bits. The reduced chunk
-  goes as INT8 too: round 1 moves as many bytes as round 0 ((n-1)/n of the message each way), so
-  native sums would leave the call at ~0.76 of bf16's bytes instead of ~0.52, for a second
-  quantization of ~0.6% relative RMS (random data; the two-shot barrier path encodes twice too).
+  With INT8 payloads (`plan.int8`; `direct_int8_kernels.py` has the record layout) three kernels
+  of the same shape publish the peers' chunks as INT8 records, reduce the own chunk from the
+  peers' records and the own native elements in fp32 in rank order, and publish the sum as one
+  more record that every rank, its reducer included, decodes: so every rank holds the same bits.
+  The sums go as INT8 too: round 1 reads as many bytes as round 0 ((n-1)/n of the message per
+  rank), so native sums would leave an 8-rank call at ~0.69 of bf16's bytes instead of ~0.52, for
+  a second quantization of ~0.6% relative RMS (random data: ~0.9% in all at 8 ranks; the barrier
+  paths' two shots encode twice too).
 
 The fence (`Sync.fence`: a stream memory write of the rank's own fence word, which the driver
 fences after the stream's earlier work at system scope) sits between the kernel that stores a
