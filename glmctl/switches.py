@@ -159,10 +159,12 @@ SWITCHES: tuple[Switch, ...] = (
        "tensor-parallel collectives: vLLM's own, host-staged, or host-staged where a GPU pair has no "
        "peer access (auto)", default="vllm", choices=("vllm", "host-staged", "auto")),
     Switch("GLMCTL_COLLECTIVES_INT8", "choice", PLUGIN,
-       "INT8 payloads for prefill all-reduces of at least GLMCTL_COLLECTIVES_INT8_MIN_MIB",
-       default="off", choices=("off", "prefill")),
+       "INT8 payloads for prefill all-reduces of at least GLMCTL_COLLECTIVES_INT8_MIN_MIB (prefill), "
+       "or for every all-reduce, decode sizes on the direct two-shot path (all)",
+       default="off", choices=("off", "prefill", "all")),
     Switch("GLMCTL_COLLECTIVES_INT8_MIN_MIB", "number", PLUGIN,
-       "smallest all-reduce sent as INT8, MiB (always above the largest CUDA-graph batch)",
+       "smallest all-reduce sent as INT8 with GLMCTL_COLLECTIVES_INT8=prefill, MiB (always above the "
+       "largest CUDA-graph batch)",
        default="4", minimum=0.0),
     Switch("GLMCTL_COLLECTIVES_MAX_MIB", "number", PLUGIN,
        "largest message per host-staged call, MiB (each rank holds (world + 1) x this)",

@@ -167,6 +167,9 @@ def shipped_configs():
 
     yield from kda_decode.sm89_configs()
     yield from _exl3_configs()
+    from glmctl.collectives import direct_int8_kernels
+
+    yield from direct_int8_kernels.sm89_configs()
 
 
 def _exl3_configs():

@@ -69,3 +69,22 @@ def all_reduce_int8_ref(inputs: list[torch.Tensor], *, two_shot: bool, group: in
     if two_shot:
         acc = dequantize_int8_ref(quantize_int8_ref(acc, layout), layout, numel)
     return acc.to(inputs[0].dtype).view_as(inputs[0])
+
+
+def direct_two_shot_int8_ref(inputs: list[torch.Tensor], group: int = 128) -> torch.Tensor:
+    """What the direct path's INT8 two-shot all-reduce computes (`direct_int8_kernels`): chunk c
+    of the message (the `world`-chunk layout) is reduced by rank c, in fp32 in rank order, from
+    the peers' INT8 records and rank c's own native elements; the sum is encoded once more and
+    every rank, rank c included, decodes that record."""
+    world, numel = len(inputs), inputs[0].numel()
+    layout = int8_layout(numel, world, group)
+    decoded = [dequantize_int8_ref(quantize_int8_ref(x, layout), layout, numel) for x in inputs]
+    out = torch.zeros(numel, dtype=torch.float32, device=inputs[0].device)
+    for c in range(world):
+        lo, hi = min(c * layout.chunk_elems, numel), min((c + 1) * layout.chunk_elems, numel)
+        acc = torch.zeros(hi - lo, dtype=torch.float32, device=out.device)
+        for j in range(world):
+            acc += (inputs[j].reshape(-1)[lo:hi].float() if j == c else decoded[j][lo:hi])
+        out[lo:hi] = acc
+    out = dequantize_int8_ref(quantize_int8_ref(out, layout), layout, numel)
+    return out.to(inputs[0].dtype).view_as(inputs[0])

@@ -29,7 +29,9 @@ small-message paths at 2, 4, 8 ranks, all-reduce 4-256 KiB and the logits gather
 path with SM copies; the direct path as LL words, one native shot, two native shots), and times
 their parts alone (a barrier pair, a fence, a kernel launch); `decode` runs the default (auto)
 paths at the sizes vLLM's decode issues (all-reduce of 1, 4, 8, 32, 48 tokens x 4096 bf16, and
-4-64 KiB; INT8 payloads requested at the decode sizes, with their error; the logits gathers);
+4-64 KiB; INT8 payloads requested at the decode sizes, with their error: the plan sends those the
+direct path reaches as INT8 records in its two shots, `direct_2s_int8`, the rest on the barrier
+paths; the logits gathers);
 `sweep` (not by default) is the nccl-tests-style sweep 4 KiB-256 MiB plus the prefill sizes.
 Results go to DIR/collectives-h200-threads.json after every phase; last, the decode step's
 collectives on the node predicted with this run's fitted terms (`decode_step_prediction`).

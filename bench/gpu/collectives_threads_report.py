@@ -176,6 +176,7 @@ def decode_prediction(doc: dict) -> dict:
                                "rig_ceiling_gbps": costs.rig_ceiling_gbps,
                                "paths": {p: vars(t) for p, t in costs.paths.items()}},
             "decode_step_prediction": decode_step_prediction(costs=costs),
+            "decode_step_prediction_int8": decode_step_prediction(costs=costs, int8_all_reduce=True),
             "decode_levers": decode_levers(costs=costs, int8_rel_err=err)}
 
 
@@ -188,7 +189,9 @@ def decode_lines(doc: dict) -> list[str]:
            f"(links 25 GB/s, host memory {cost_model.L40_NODE.host_gbps:g} GB/s: stated inputs):",
            "| cell | calls | ms | bound | latency ms | data ms | ms if host caches hold it | paths |",
            "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    int8 = [r | {"cell": r["cell"] + " INT8=all"} for r in doc.get("decode_step_prediction_int8")
+            or []]
+    for r in rows + int8:
         paths = ", ".join(f"{p} x{n}" for p, n in r["paths"].items())
         out.append(f"| {r['cell']} | {r['calls']} | {r['ms']:.2f} | {r['bound']} | "
                    f"{r['latency_ms']:.2f} | {r['data_ms']:.2f} | "

@@ -23,7 +23,9 @@ Direct plans (`direct_ll`, `direct_1s`, `direct_2s`; `direct.py`): slot j of par
 `(q * world + j) * slot_stride` of the direct area's LL or native region, `slot_stride` being that
 area's fixed slot capacity. LL words (4 payload bytes + 4 epoch bytes each) start at offset 0 of an
 LL slot; a native message at offset 0 of a native slot, and for `direct_2s` the reduced chunk
-`chunk_span(j)` of rank j at `direct_result_offset(plan)` of its slot.
+`chunk_span(j)` of rank j at `direct_result_offset(plan)` of its slot. An INT8 `direct_2s` slot
+holds the message as `world` INT8 records (the layout above, `plan.layout`) at offset 0, and the
+rank's reduced chunk as one more record at `direct_result_offset(plan)`.
 """
 
 from __future__ import annotations
@@ -89,6 +91,22 @@ class DirectLimits:
     one_shot_max_bytes: int = 0
     two_shot_max_bytes: int = 0
     capacity: int = 0
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest message any direct path takes."""
+        return max(self.ll_max_bytes, self.one_shot_max_bytes, self.two_shot_max_bytes)
+
+    def int8_algorithm(self, op: Op, numel: int, elem_bytes: int, world: int,
+                       group: int = DEFAULT_GROUP) -> Algorithm | None:
+        """A small all-reduce sent as INT8 always takes two shots: each element crosses once each
+        way as a record (~0.52 of bf16's bytes); LL words carry a 4-byte epoch each (little left
+        to save) and one shot reads n - 1 whole messages. Within the direct path's reach
+        (`max_bytes`), when the records and the reduced chunk's record fit one slot."""
+        layout = int8_layout(numel, world, group)
+        fit = align_up(layout.total_bytes) + layout.record_bytes <= self.capacity
+        ok = op == "all_reduce" and numel * elem_bytes <= self.max_bytes and fit
+        return "direct_2s" if ok else None
 
     def algorithm(self, op: Op, numel: int, elem_bytes: int, world: int) -> Algorithm | None:
         nbytes = numel * elem_bytes
@@ -210,6 +228,9 @@ class CollectivePlan:
         if self.algorithm in ("direct_ll", "direct_1s"):
             wire = 2 * align_up(self.nbytes, 4) if self.algorithm == "direct_ll" else self.nbytes
             return wire, (n - 1) * wire
+        if self.algorithm == "direct_2s" and self.layout is not None:
+            rec = self.layout.record_bytes  # out: the others' chunk records, the own sum's
+            return n * rec, 2 * (n - 1) * rec
         if self.algorithm == "direct_2s":  # out: the others' chunks, then the own reduced one
             own = self.chunk_span(0)[1] * self.elem_bytes
             return self.nbytes, (n - 1) * own + (self.nbytes - own)
@@ -239,14 +260,17 @@ def plan_all_reduce(
     engines: CopyEngines = CopyEngines(),
     direct: DirectLimits = DirectLimits(),
 ) -> CollectivePlan:
-    """The direct path for messages within `direct`'s limits (never INT8); else one-shot (every
-    rank reads every slot and reduces all of it) while the message is small or there are only two
-    ranks (two-shot moves the same bytes then, with one more barrier); above that, reduce-scatter
-    + all-gather, which reads 2(n-1)/n of the message instead of n-1."""
+    """The direct path for messages within `direct`'s limits (INT8: always its two shots,
+    `DirectLimits.int8_algorithm`); else one-shot (every rank reads every slot and reduces all of
+    it) while the message is small or there are only two ranks (two-shot moves the same bytes
+    then, with one more barrier); above that, reduce-scatter + all-gather, which reads 2(n-1)/n
+    of the message instead of n-1."""
     nbytes = numel * elem_bytes
-    small = None if int8 else direct.algorithm("all_reduce", numel, elem_bytes, world)
+    small = (direct.int8_algorithm("all_reduce", numel, elem_bytes, world, group) if int8 else
+             direct.algorithm("all_reduce", numel, elem_bytes, world))
     if small is not None:
-        return _direct_plan("all_reduce", small, numel, elem_bytes, world, direct.capacity)
+        return _direct_plan("all_reduce", small, numel, elem_bytes, world, direct.capacity,
+                            int8_layout(numel, world, group) if int8 else None)
     two_shot = world > 2 and nbytes > one_shot_max_bytes
     chunks = world if two_shot else 1
     if int8:
@@ -309,15 +333,20 @@ def plan_all_gather(
 
 
 def _direct_plan(op: Op, algorithm: Algorithm, numel: int, elem_bytes: int, world: int,
-                 capacity: int) -> CollectivePlan:
+                 capacity: int, layout: Int8Layout | None = None) -> CollectivePlan:
+    """`layout`: INT8 records (`direct_2s` only), whose chunks the call's are."""
     chunk = direct_chunk_elems(numel, world) if algorithm == "direct_2s" else numel
-    return CollectivePlan(op=op, algorithm=algorithm, int8=False, world=world, numel=numel,
-                          elem_bytes=elem_bytes, slot_stride=capacity, chunk_elems=chunk,
-                          result_stride=0, layout=None, d2h="sm", h2d="sm")
+    return CollectivePlan(op=op, algorithm=algorithm, int8=layout is not None, world=world,
+                          numel=numel, elem_bytes=elem_bytes, slot_stride=capacity,
+                          chunk_elems=layout.chunk_elems if layout else chunk, result_stride=0,
+                          layout=layout, d2h="sm", h2d="sm")
 
 
 def direct_result_offset(plan: CollectivePlan) -> int:
-    """Byte offset of the reduced chunk in a `direct_2s` slot: after the message, aligned."""
+    """Byte offset of the reduced chunk in a `direct_2s` slot: after the message (native, or its
+    INT8 records), aligned."""
+    if plan.layout is not None:
+        return align_up(plan.layout.total_bytes)
     return align_up(plan.nbytes)
 
 

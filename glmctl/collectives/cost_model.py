@@ -13,6 +13,7 @@ communicator plans it: `call_plan.plan_call` with the default `PathOptions`; mes
 
     t = latency + max(t_link, t_host)
     latency = fixed + per_memop * memops + per_poll * polls     (`ProtocolCosts.latency_us`)
+              (+ the INT8 codec where a path's terms are predicted: `ProtocolCosts.codec_us`)
     t_link = (D2H / link_d2h + H2D / link_h2d) / efficiency     (the directions one after the other)
     t_host = ranks * (D2H + H2D) / host                         (every byte crosses host memory once)
 
@@ -64,8 +65,9 @@ L40_NODE = NodeLinks("8x L40 (PCIe Gen4 x16 each, no P2P; the report's node)", 2
 # polling one peer after the other: `SEQUENTIAL_POLLS`), captured rows; per memory operation
 # from its barrier-pair rows (2 / 4 / 8 ranks, residuals -1.4 / -2.5 / +0.7 us). `direct` is the
 # flag-line path that record measured (a release atomic per program: 34 us fixed), kept for the
-# record; no plan takes it. `direct_1s` and `direct_2s` are predicted (`with_direct_predictions`,
-# 1.19 us per further kernel: that run's in-graph launch at 2 ranks).
+# record; no plan takes it. `direct_1s`, `direct_2s` and `direct_2s_int8` are predicted
+# (`with_direct_predictions`, 1.19 us per further kernel: that run's in-graph launch at 2 ranks;
+# the INT8 codec from the kernels' arithmetic).
 PROTOCOL_COSTS = with_direct_predictions(ProtocolCosts(
     source="fitted on 1x H200, thread rig (ranks as threads of one process), 2026-12-01; "
            "direct_1s/direct_2s predicted",
@@ -133,7 +135,7 @@ def breakdown(op: str, ranks: int, nbytes: int, dtype: str = "bf16", *,
         path = plan.algorithm + ("_int8" if plan.int8 else "")
         d2h, h2d = plan.bytes_moved()
         d2h_all, h2d_all = d2h_all + d2h, h2d_all + h2d
-        lat += costs.latency_us(path, ranks) * 1e-6
+        lat += (costs.latency_us(path, ranks) + costs.codec_us(path, plan.nbytes)) * 1e-6
         t_d2h, t_h2d = d2h / (node.link_d2h_gbps * 1e9), h2d / (node.link_h2d_gbps * 1e9)
         link += (t_d2h + t_h2d) / costs.efficiency(path)
         host += ranks * (d2h + h2d) / (node.host_gbps * 1e9)

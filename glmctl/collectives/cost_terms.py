@@ -12,6 +12,9 @@ A call of path p (`call_plan` algorithm, `_int8` for INT8 payloads) over n ranks
 - polls: round trips a direct-path program waits for peers: one per flag round (`direct_ll` 1,
   `direct_1s` 1, `direct_2s` 2); the barrier paths wait in their memops.
 - fixed: kernel launches and bodies; `per_memop_us` is one value for every path.
+- codec (INT8 payloads on a path whose terms are predicted, not fitted): the kernels' extra
+  arithmetic to encode and decode, per MiB of message (`codec_us_per_mib`); fitted terms hold it
+  in their fixed cost and rate.
 
 **What the rig imposes** (`bench/gpu/collectives_threads.py`: n ranks as threads on one GPU):
 every rank's memory operations queue in that GPU's front end (a barrier pair took 12.9 / 53 /
@@ -43,6 +46,14 @@ ROUNDS = {"direct_ll": 1, "direct_1s": 1, "direct_2s": 2}
 # The 2026-12-01 record's direct kernels polled one peer after the other (and its "direct", with
 # flag lines, issued its release atomics in-kernel): one poll per peer and call.
 SEQUENTIAL_POLLS = {"direct_ll": lambda n: n - 1, "direct": lambda n: n - 1}
+# The direct two-shot path's INT8 codec, predicted (no rig row isolates it): beyond what the native
+# kernels do, about 25 fp32 operations per message element (encode every element once: convert,
+# |x|, group max, scale, round, clamp; decode the peers' records and the chunk sums: convert,
+# multiply; re-encode the own chunk) on the `DIRECT_PROGRAMS` (16) SMs the kernels run on, at an
+# L40's 128 lanes x ~2.5 GHz each: 16 x 128 x 2.5e9 / 25 = 2.0e11 elements/s, 2.6 us per MiB of a
+# bf16 message (0.65 us for 32 tokens x 4096); it is not hidden under the host-memory waits of the
+# same program, so it adds to them.
+DIRECT_INT8_CODEC_US_PER_MIB = 2.6
 
 
 def memops(path: str, ranks: int) -> int:
@@ -65,6 +76,7 @@ class PathTerms:
     per_poll_us: float
     rate_gbps: float
     basis: str = ""
+    codec_us_per_mib: float = 0.0  # INT8 encode/decode arithmetic (predicted paths only)
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,10 @@ class ProtocolCosts:
         t = self.terms(path)
         return t.fixed_us + self.per_memop_us * memops(path, ranks) + t.per_poll_us * polls(path, ranks)
 
+    def codec_us(self, path: str, nbytes: int) -> float:
+        """The INT8 codec's time for a message of `nbytes` (0 where the terms were fitted)."""
+        return self.terms(path).codec_us_per_mib * nbytes / (1 << 20)
+
     def efficiency(self, path: str) -> float:
         """The path's rate over the copy engines' on the same link (at most 1)."""
         return min(1.0, self.terms(path).rate_gbps / self.rig_ceiling_gbps)
@@ -102,7 +118,9 @@ class ProtocolCosts:
 def with_direct_predictions(costs: ProtocolCosts, launch_us: float) -> ProtocolCosts:
     """The direct paths the record did not measure, predicted from what it did: the LL path's
     fixed cost, poll cost and rate (the same loads and stores of mapped host memory), one poll per
-    flag round, and `launch_us` for each further kernel (`direct_1s` 1, `direct_2s` 2)."""
+    flag round, and `launch_us` for each further kernel (`direct_1s` 1, `direct_2s` 2); INT8 on
+    the two shots (`direct_2s_int8`) as `direct_2s` plus the codec (`DIRECT_INT8_CODEC_US_PER_MIB`:
+    the same kernels, flag rounds and fences, fewer bytes: `CollectivePlan.bytes_moved`)."""
     ll = costs.paths.get("direct_ll")
     if ll is None:
         return costs
@@ -113,6 +131,12 @@ def with_direct_predictions(costs: ProtocolCosts, launch_us: float) -> ProtocolC
                 round(ll.fixed_us + extra * launch_us, 2), ll.per_poll_us, ll.rate_gbps,
                 f"predicted: direct_ll's terms, {extra} more kernel(s) at {launch_us:g} us, "
                 f"{FENCES[path]} fence(s), {ROUNDS[path]} poll round(s)")
+    if "direct_2s_int8" not in paths:
+        two = paths["direct_2s"]
+        paths["direct_2s_int8"] = replace(
+            two, codec_us_per_mib=DIRECT_INT8_CODEC_US_PER_MIB,
+            basis=f"predicted: direct_2s's terms ({two.basis.split(':')[0]}) and the INT8 codec at "
+                  f"{DIRECT_INT8_CODEC_US_PER_MIB:g} us per MiB of message")
     return replace(costs, paths=paths)
 
 

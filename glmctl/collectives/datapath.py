@@ -178,6 +178,7 @@ PATHS = {
     ("all_reduce", "direct_ll", False): direct.all_reduce,
     ("all_reduce", "direct_1s", False): direct.all_reduce,
     ("all_reduce", "direct_2s", False): direct.all_reduce,
+    ("all_reduce", "direct_2s", True): direct.all_reduce,
     ("all_gather", "direct_ll", False): direct.all_gather,
     ("all_gather", "direct_1s", False): direct.all_gather,
 }

@@ -17,7 +17,8 @@ from tests.conftest import REPO
 
 # the data paths after the kernels they launch, the dispatch table (datapath) after the paths
 NAMES = ("glmctl.collectives.kernels", "glmctl.collectives.direct_kernels",
-         "glmctl.collectives.direct", "glmctl.collectives.datapath")
+         "glmctl.collectives.direct_int8_kernels", "glmctl.collectives.direct",
+         "glmctl.collectives.datapath")
 
 
 def _triton_interpreted() -> bool:
@@ -28,8 +29,8 @@ def _triton_interpreted() -> bool:
 
 
 def load():
-    """(kernels, direct_kernels, direct, datapath) built for the interpreter, or None when
-    impossible."""
+    """(kernels, direct_kernels, direct_int8_kernels, direct, datapath) built for the
+    interpreter, or None when impossible."""
     if "triton" in sys.modules and not _triton_interpreted():
         return None
     saved = os.environ.get("TRITON_INTERPRET")
@@ -41,7 +42,7 @@ def load():
             if mod is None:
                 mod = importlib.import_module(name)
             elif type(getattr(mod, "_reduce_kernel", None)).__name__ == "JITFunction" or name.endswith(
-                    ("direct_kernels", "direct", "datapath")):
+                    ("direct_kernels", "direct_int8_kernels", "direct", "datapath")):
                 mod = importlib.reload(mod)
             mods.append(mod)
         return tuple(mods)

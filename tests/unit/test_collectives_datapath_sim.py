@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 _MODULES = collectives_interp.load()
 _PRELOADED = _MODULES is None
-kernels, direct_kernels, direct, datapath = _MODULES or (None, None, None, None)
+kernels, direct_kernels, direct_int8_kernels, direct, datapath = _MODULES or (None,) * 5
 
 from glmctl.collectives.call_plan import (  # noqa: E402
     CopyEngines,
@@ -37,7 +37,11 @@ from glmctl.collectives.call_plan import (  # noqa: E402
 from glmctl.collectives.protocol import MemopSync  # noqa: E402
 from glmctl.collectives.segment import DIRECT_PROGRAMS, W_ABORT, SharedSegment  # noqa: E402
 from glmctl.collectives.staging import DirectArea, Staging  # noqa: E402
-from tests.int8_codec_ref import all_reduce_int8_ref, int8_round_trip_ref  # noqa: E402
+from tests.int8_codec_ref import (  # noqa: E402
+    all_reduce_int8_ref,
+    direct_two_shot_int8_ref,
+    int8_round_trip_ref,
+)
 
 interpreted = pytest.mark.skipif(_PRELOADED, reason="triton was imported before: test_fresh_process")
 MAX_BYTES = 64 * 1024
@@ -215,6 +219,7 @@ def _wrap_launchers(regions: Regions, comms: dict):
         setattr(kernels, name, wrapped)
 
     saved_direct = {name: getattr(direct_kernels, name) for name in ("ll", "publish", "collect")}
+    saved_int8 = {name: getattr(direct_int8_kernels, name) for name in ("publish", "collect")}
     on_stream = lambda fn: comms[threading.current_thread().name].drv.streams[MAIN].put(fn)  # noqa: E731
 
     def split(kernel, make_args, ready):
@@ -232,27 +237,37 @@ def _wrap_launchers(regions: Regions, comms: dict):
             on_stream(run)
         return launch
 
-    def publish(x, area, **kw):
-        def run():
-            with _LAUNCH:
-                args, meta = direct_kernels.publish_args(x, area, **kw)
-                direct_kernels._publish_kernel[(DIRECT_PROGRAMS,)](*[conv(v) for v in args], **meta)
+    def publisher(kernel, make_args):
+        def publish(x, area, **kw):
+            def run():
+                with _LAUNCH:
+                    args, meta = make_args(x, area, **kw)
+                    kernel[(DIRECT_PROGRAMS,)](*[conv(v) for v in args], **meta)
 
-        on_stream(run)
+            on_stream(run)
+        return publish
+
+    announced = lambda x, area, kw, e: _peers_announced(area, kw["rank"], kw["world"], e,  # noqa: E731
+                                                        kw["round_"])
 
     direct_kernels.ll = split(direct_kernels._ll_kernel, direct_kernels.ll_args, lambda x, area, kw, e: (
         _peers_ll_published(area, kw["rank"], kw["world"], e,
                             direct_kernels.ll_units(kw["numel"], x.element_size()))))
     direct_kernels.collect = split(direct_kernels._collect_kernel, direct_kernels.collect_args,
-                                   lambda x, area, kw, e: _peers_announced(area, kw["rank"], kw["world"],
-                                                                        e, kw["round_"]))
-    direct_kernels.publish = publish
+                                   announced)
+    direct_kernels.publish = publisher(direct_kernels._publish_kernel, direct_kernels.publish_args)
+    direct_int8_kernels.collect = split(direct_int8_kernels._collect_int8_kernel,
+                                        direct_int8_kernels.collect_args, announced)
+    direct_int8_kernels.publish = publisher(direct_int8_kernels._publish_int8_kernel,
+                                            direct_int8_kernels.publish_args)
 
     def restore():
         for name, fn in saved.items():
             setattr(kernels, name, fn)
         for name, fn in saved_direct.items():
             setattr(direct_kernels, name, fn)
+        for name, fn in saved_int8.items():
+            setattr(direct_int8_kernels, name, fn)
 
     return restore
 
@@ -271,6 +286,8 @@ def _cases(world):
         ("all_gather", torch.bfloat16, 1001, False, "ll", 0),
         ("all_gather", torch.float32, 5, False, "1s", 0),
         ("all_reduce", torch.float16, 5, False, "2s", 0),  # chunks past the message
+        ("all_reduce", torch.bfloat16, 5003, True, "2s", 0),  # INT8 records, same slots
+        ("all_reduce", torch.float16, 5, True, "2s", 0),  # INT8, chunks past the message
     ]
     for eng in ("ce", "sm"):
         cases += [
@@ -287,7 +304,8 @@ def _cases(world):
             ]
         cases += [("all_reduce", torch.float16, 2048 + 1, False, "ll", 0),
                   ("all_reduce", torch.float32, 1031, False, "2s", 0),
-                  ("all_reduce", torch.bfloat16, 9, False, "1s", 0)]
+                  ("all_reduce", torch.bfloat16, 9, False, "1s", 0),
+                  ("all_reduce", torch.float32, 1031, True, "2s", 0)]
     return cases
 
 
@@ -316,6 +334,8 @@ def _enqueue(comm, plan, x, out):
 def _want(plan, xs, dtype):
     if plan.op == "all_gather":
         return torch.cat([int8_round_trip_ref(t) if plan.int8 else t for t in xs])
+    if plan.int8 and plan.algorithm == "direct_2s":
+        return direct_two_shot_int8_ref(xs)
     if plan.int8:
         return all_reduce_int8_ref(xs, two_shot=plan.algorithm == "two_shot")
     return sum(t.float() for t in xs).to(dtype)

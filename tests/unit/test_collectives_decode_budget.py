@@ -83,3 +83,35 @@ def test_levers_lower_the_step_and_say_what_they_assume():
         assert lv["saved_ms"] == pytest.approx(base[lv["cell"]] - lv["ms"], abs=2e-3)
     int8 = next(lv for lv in levers if lv["lever"] == "INT8 decode all-reduce")
     assert "0.7% (test)" in int8["note"]
+
+
+def test_int8_all_reduce_is_priced_on_the_direct_two_shot_records():
+    """GLMCTL_COLLECTIVES_INT8=all: the decode all-reduces go as INT8 records in the direct
+    path's two shots, priced by the plan's bytes (scales included) and the stated codec term."""
+    from dataclasses import replace
+
+    from glmctl.collectives.cost_terms import DIRECT_INT8_CODEC_US_PER_MIB
+
+    t8 = cm.breakdown("all_reduce", 8, 262144, "int8")
+    t16 = cm.breakdown("all_reduce", 8, 262144)
+    assert (t8.path, t16.path) == ("direct_2s_int8", "direct_2s")
+    ratio = (t8.d2h_bytes + t8.h2d_bytes) / (t16.d2h_bytes + t16.h2d_bytes)
+    assert ratio == pytest.approx((1 + 4 / 128) / 2, rel=0.01)
+    assert (t8.latency_s - t16.latency_s) * 1e6 == pytest.approx(DIRECT_INT8_CODEC_US_PER_MIB / 4)
+    # a record that measured the path keeps its fitted terms: no codec on top
+    fitted = replace(cm.PROTOCOL_COSTS, paths={**cm.PROTOCOL_COSTS.paths,
+                                               "direct_2s_int8": cm.PROTOCOL_COSTS.paths["direct_2s"]})
+    assert cm.breakdown("all_reduce", 8, 262144, "int8", costs=fitted).latency_s == t16.latency_s
+
+    base = {r["cell"]: r for r in decode_step_prediction(GLM)}
+    rows = {r["cell"]: r for r in decode_step_prediction(GLM, int8_all_reduce=True)}
+    layer = rows["8x22k"]["calls_by_kind"][0]
+    assert (layer["bytes"], layer["path"]) == (262144, "direct_2s_int8")
+    assert layer["us"] == pytest.approx(t8.seconds * 1e6, abs=0.01)
+    assert all(k["path"] == "direct_2s_int8" for k in rows["1x64k"]["calls_by_kind"]
+               if k["op"] == "all_reduce")
+    assert rows["8x22k"]["ms"] < base["8x22k"]["ms"]
+    for lv in decode_levers(GLM):
+        if lv["lever"] == "INT8 decode all-reduce":
+            assert lv["ms"] == pytest.approx(rows[lv["cell"]]["ms"], abs=2e-3)
+            assert "direct_2s_int8" in lv["note"]

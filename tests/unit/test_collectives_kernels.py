@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 # skipped here and the whole file re-runs in a fresh interpreter process instead.
 _MODULES = collectives_interp.load()
 _PRELOADED = _MODULES is None
-kernels, _, _, datapath = _MODULES or (None, None, None, None)
+kernels, _, direct_int8_kernels, _, datapath = _MODULES or (None,) * 5
 
 from glmctl.collectives.call_plan import int8_layout  # noqa: E402
 from tests.int8_codec_ref import dequantize_int8_ref, quantize_int8_ref  # noqa: E402

@@ -7,6 +7,7 @@ import pytest
 from glmctl.collectives.call_plan import (
     ALIGN,
     CopyEngines,
+    align_up,
     fits,
     int8_layout,
     plan_all_gather,
@@ -91,7 +92,7 @@ def test_int8_layout_rejects_odd_groups():
         int8_layout(100, 1, 100)
 
 
-def test_direct_path_by_size_and_never_int8():
+def test_direct_path_by_size():
     from glmctl.collectives.call_plan import DirectLimits, direct_result_offset
 
     KiB = 1024
@@ -108,7 +109,6 @@ def test_direct_path_by_size_and_never_int8():
     # out: the three other chunks and the own sum; in: the own chunk of 3 peers, 3 peers' sums
     assert two.bytes_moved() == (64 * KiB, 3 * 16 * KiB + 48 * KiB)
     assert direct_result_offset(two) == 64 * KiB
-    assert plan_all_reduce(4096, 2, 4, int8=True, direct=lim).algorithm == "one_shot"
     assert plan_all_reduce(256 * KiB, 2, 4, direct=lim).algorithm == "two_shot"  # 512 KiB: above
     assert plan_all_gather(1000, 4, 8, direct=lim).algorithm == "direct_ll"
     assert plan_all_gather(32 * KiB, 4, 8, direct=lim).algorithm == "direct_1s"  # one shot only
@@ -155,3 +155,56 @@ def test_plan_call_takes_the_measured_direct_limits_for_the_rank_count():
     off = PathOptions(direct=DirectLimits())
     assert plan_call("all_reduce", 16 * 1024, 2, 8, False, off, cap).algorithm == "one_shot"
     assert plan_call("all_reduce", 4 * MiB, 2, 4, False, measured, slot_capacity(MiB, 4)) is None
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_int8_small_all_reduce_takes_the_direct_two_shot_records(world):
+    """INT8 asked for a message the direct path takes (whichever way bf16 would go: LL, one shot
+    or two) plans `direct_2s` with `world` INT8 records; gathers and larger messages do not."""
+    from glmctl.collectives.call_plan import DirectLimits, direct_result_offset
+
+    KiB = 1024
+    lim = DirectLimits(ll_max_bytes=16 * KiB, one_shot_max_bytes=32 * KiB,
+                       two_shot_max_bytes=256 * KiB, capacity=512 * KiB)
+    for numel in (1, 7, 4096, 4096 * 4, 4096 * 32 - 3, 128 * KiB):  # up to 256 KiB of bf16
+        native = plan_all_reduce(numel, 2, world, direct=lim)
+        p = plan_all_reduce(numel, 2, world, int8=True, direct=lim)
+        assert native.algorithm.startswith("direct") and not native.int8
+        assert (p.algorithm, p.int8, p.barriers, p.d2h, p.h2d) == ("direct_2s", True, 0, "sm", "sm")
+        assert p.layout == int8_layout(numel, world) and p.chunk_elems == p.layout.chunk_elems
+        spans = [p.chunk_span(r) for r in range(world)]
+        assert sum(n for _, n in spans) == numel
+        assert all(lo == r * p.chunk_elems for r, (lo, _) in enumerate(spans))
+        # records at 0, the reduced chunk's record after them, all within the slot
+        assert direct_result_offset(p) == align_up(p.layout.total_bytes)
+        assert direct_result_offset(p) + p.layout.record_bytes <= lim.capacity
+        rec = p.layout.record_bytes
+        assert p.bytes_moved() == (world * rec, 2 * (world - 1) * rec)
+        assert p.key() != native.key()  # capture verification tells them apart
+    # 32 tokens x 4096 bf16 (8x22k with MTP-3) at 8 ranks: ~0.52 of the native two shots' bytes
+    if world == 8:
+        native = plan_all_reduce(32 * 4096, 2, 8, direct=lim)
+        p = plan_all_reduce(32 * 4096, 2, 8, int8=True, direct=lim)
+        for d in (0, 1):
+            ratio = p.bytes_moved()[d] / native.bytes_moved()[d]
+            assert ratio == pytest.approx((1 + 4 / 128) / 2, rel=0.01)
+    above = plan_all_reduce(128 * KiB + 1, 2, world, int8=True, direct=lim)
+    assert above.algorithm in ("one_shot", "two_shot") and above.int8
+    assert plan_all_gather(1000, 2, world, int8=True, direct=lim).algorithm == "gather"
+    tight = DirectLimits(two_shot_max_bytes=1 << 20, capacity=4096)  # records + sum must fit
+    assert plan_all_reduce(1024, 2, world, int8=True, direct=tight).algorithm == "direct_2s"
+    assert plan_all_reduce(8192, 2, world, int8=True, direct=tight).algorithm in ("one_shot",
+                                                                                 "two_shot")
+    assert plan_all_reduce(1024, 2, world, int8=True).algorithm != "direct_2s"  # no direct area
+
+
+def test_plan_call_sends_decode_sizes_as_int8_on_the_direct_two_shot_path():
+    from glmctl.collectives.call_plan import PathOptions, plan_call
+
+    cap = slot_capacity(4 * MiB, 8)
+    for world in (2, 4, 8):
+        for tokens in (1, 4, 8, 32):  # decode all-reduces of tokens x 4096 bf16
+            p = plan_call("all_reduce", tokens * 4096, 2, world, True, PathOptions(), cap)
+            assert (p.algorithm, p.int8) == ("direct_2s", True), (world, tokens)
+            native = plan_call("all_reduce", tokens * 4096, 2, world, False, PathOptions(), cap)
+            assert not native.int8

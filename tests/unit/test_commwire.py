@@ -142,6 +142,9 @@ def test_settings_name_the_bad_variable():
                               "GLMCTL_COLLECTIVES_INT8_MIN_MIB": "0.5", "GLMCTL_COLLECTIVES_MAX_MIB": "8"})
     assert (s.mode, s.int8_prefill, s.int8_min_bytes, s.max_bytes) == ("host-staged", True, MiB // 2,
                                                                        8 * MiB)
+    s = cw.settings_from_env({"GLMCTL_COLLECTIVES": "host-staged", "GLMCTL_COLLECTIVES_INT8": "all"})
+    assert (s.int8_prefill, s.int8_decode) == (True, True)
+    assert not cw.settings_from_env({"GLMCTL_COLLECTIVES_INT8": "prefill"}).int8_decode
     for env, name in (({"GLMCTL_COLLECTIVES": "nccl2"}, "GLMCTL_COLLECTIVES="),
                       ({"GLMCTL_COLLECTIVES_INT8": "decode"}, "GLMCTL_COLLECTIVES_INT8="),
                       ({"GLMCTL_COLLECTIVES_MAX_MIB": "0.5"}, "GLMCTL_COLLECTIVES_MAX_MIB="),
@@ -163,6 +166,10 @@ def test_sizes_from_the_model_config():
     # never INT8 inside a captured decode graph (48 tokens x 4096 x bf16), whatever the minimum
     assert cw.int8_threshold(s, facts) == 48 * 4096 * 2 + 1
     assert cw.int8_threshold(s, None) == int(0.01 * MiB)
+    # `all`: every all-reduce, captured decode sizes included, whatever the minimum
+    s = cw.settings_from_env({"GLMCTL_COLLECTIVES": "host-staged", "GLMCTL_COLLECTIVES_INT8": "all",
+                              "GLMCTL_COLLECTIVES_INT8_MIN_MIB": "8"})
+    assert cw.int8_threshold(s, facts) == 0 and cw.int8_threshold(s, None) == 0
 
 
 def test_tp_group_routes_all_reduce_out_of_place(monkeypatch):
@@ -202,6 +209,26 @@ def test_int8_only_from_the_size_threshold(monkeypatch):
         assert {c[2] for c in fake.calls} == {want}, numel
     # the 3 MiB message went whole, INT8 (the communicator cuts it: call_plan.message_pieces)
     assert [c[1] for c in fake.calls] == [3 * MiB]
+    gathered = gc.all_gather(torch.randn(40000).to(torch.bfloat16), 0)  # gathers are never INT8
+    assert gathered.shape == (80000,) and fake.calls[-1][2] is False
+
+
+def test_int8_all_sends_decode_sizes_as_int8_and_warms_them_up(monkeypatch):
+    facts = cw.ModelFacts(hidden_size=64, elem_bytes=2, max_batched_tokens=16384,
+                          capture_sizes=(1, 2, 4))
+    dc, fake = _tp(monkeypatch, {"GLMCTL_COLLECTIVES_INT8": "all",
+                                 "GLMCTL_COLLECTIVES_MAX_MIB": "1"}, facts=facts)
+    gc = _coordinator(dc)
+    for numel in (64, 4 * 64, 32768, 3 * MiB // 2):
+        fake.calls.clear()
+        x = torch.randn(numel).to(torch.bfloat16)
+        assert torch.equal(gc.all_reduce(x), (x.float() * 2).to(torch.bfloat16))
+        assert {c[2] for c in fake.calls} == {True}, numel
+    fake.calls.clear()
+    with dc.ca_comm.capture():  # the warm-up compiles what the captured calls will run: INT8
+        pass
+    assert [c[1:] for c in fake.calls if c[0] == "all_reduce"] == [(t * 64 * 2, True) for t in
+                                                                   facts.capture_sizes]
     gathered = gc.all_gather(torch.randn(40000).to(torch.bfloat16), 0)  # gathers are never INT8
     assert gathered.shape == (80000,) and fake.calls[-1][2] is False
 

@@ -34,7 +34,8 @@ def test_every_shipped_config_fits_sm89():
                      "indexer_logits_paged", "indexer_logits_ragged", "kpool_topk",
                      "kpool_topk_slices", "kpool_topk_threshold", "mhc_mix_partials", "mhc_mix_finalize",
                      "mhc_block",
-                     "fp8_block_linear", "fp8_block_linear_reduce"}
+                     "fp8_block_linear", "fp8_block_linear_reduce",
+                     "direct_int8_publish", "direct_int8_collect"}
     # Every cache layout's attention and cache-write kernels are among them.
     kernels = {row["kernel"] for row in rows}
     for fmt in ("bf16", "fp8", "fp8_ds_mla"):

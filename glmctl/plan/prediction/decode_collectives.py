@@ -20,7 +20,6 @@ from glmctl.plan.prediction.node_records import Collective
 
 # The report's decode cells that the per-rank simulation measures: name -> sessions
 DECODE_CELLS = (("8x22k", 8), ("1x64k", 1))
-INT8_PAYLOAD_RATIO = (1 + 4 / 128) / 2  # INT8 records of 128-element groups vs bf16
 
 
 def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: int, *,
@@ -51,12 +50,15 @@ def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: 
     return calls
 
 
-def _priced(calls: list[Collective], tp: int, node, costs) -> list[dict]:
+def _priced(calls: list[Collective], tp: int, node, costs, int8: bool = False) -> list[dict]:
+    """Each call kind's terms; `int8`: all-reduces as INT8 payloads (GLMCTL_COLLECTIVES_INT8=all:
+    the decode sizes on the direct path's two shots, priced by their records' bytes and codec)."""
     from glmctl.collectives import cost_model
 
     out = []
     for c in calls:
-        b = cost_model.breakdown(c.op, tp, c.bytes, c.dtype, node=node or cost_model.L40_NODE,
+        dtype = "int8" if int8 and c.op == "all_reduce" else c.dtype
+        b = cost_model.breakdown(c.op, tp, c.bytes, dtype, node=node or cost_model.L40_NODE,
                                  costs=costs or cost_model.PROTOCOL_COSTS)
         out.append({"what": c.what, "op": c.op, "bytes": c.bytes, "count": c.count, "path": b.path,
                     "latency_us": b.latency_s * 1e6, "link_us": b.link_s * 1e6,
@@ -86,8 +88,10 @@ def _step(cell: str, priced: list[dict], **extra) -> dict:
 
 
 def decode_step_prediction(model: ModelSpec | None = None, *, tp: int = 8, num_spec: int = 3,
-                           cells=DECODE_CELLS, node=None, costs=None) -> list[dict]:
-    """Per cell (name, sessions): the decode step's collectives on the node, predicted. Row keys:
+                           cells=DECODE_CELLS, node=None, costs=None,
+                           int8_all_reduce: bool = False) -> list[dict]:
+    """Per cell (name, sessions): the decode step's collectives on the node, predicted (with
+    `int8_all_reduce`, as GLMCTL_COLLECTIVES_INT8=all sends the all-reduces). Row keys:
     cell, calls, ms, bound ("latency", "host memory" or "PCIe link": the term most of the time
     goes to), latency_ms / data_ms (the split), ms_if_host_caches_hold_it (the links alone bound
     the data: decode-size traffic served from the host's last-level cache), paths (calls per
@@ -96,8 +100,8 @@ def decode_step_prediction(model: ModelSpec | None = None, *, tp: int = 8, num_s
     rows = []
     for cell, sessions in cells:
         calls = decode_step_collectives(model, tp, sessions, num_spec)
-        rows.append(_step(cell, _priced(calls, tp, node, costs), sessions=sessions,
-                          tokens=sessions * (1 + num_spec)))
+        rows.append(_step(cell, _priced(calls, tp, node, costs, int8_all_reduce),
+                          sessions=sessions, tokens=sessions * (1 + num_spec)))
     return rows
 
 
@@ -109,11 +113,13 @@ def decode_levers(model: ModelSpec | None = None, *, tp: int = 8, num_spec: int 
     model = model or load_model_spec("glm-5.3-flash")
     out = []
     for cell, sessions in cells:
-        priced = _priced(decode_step_collectives(model, tp, sessions, num_spec), tp, node, costs)
+        calls = decode_step_collectives(model, tp, sessions, num_spec)
+        priced = _priced(calls, tp, node, costs)
+        int8 = _priced(calls, tp, node, costs, int8=True)
         base = sum(p["count"] * p["us"] for p in priced)
         out += [{"lever": name, "cell": cell, "ms": round(ms / 1e3, 3),
                  "saved_ms": round((base - ms) / 1e3, 3), "note": note}
-                for name, ms, note in _levers(model, priced, base, tp, int8_rel_err)]
+                for name, ms, note in _levers(model, priced, int8, base, tp, int8_rel_err)]
         if sessions >= 2:
             half = decode_step_collectives(model, tp, sessions // 2, num_spec)
             split = 2 * sum(p["count"] * p["us"] for p in _priced(half, tp, node, costs))
@@ -125,14 +131,22 @@ def decode_levers(model: ModelSpec | None = None, *, tp: int = 8, num_spec: int 
     return out
 
 
-def _levers(model: ModelSpec, priced: list[dict], base: float, n: int, int8_rel_err: str):
-    """(lever, us, note) for one cell's priced calls."""
+def _levers(model: ModelSpec, priced: list[dict], int8: list[dict], base: float, n: int,
+            int8_rel_err: str):
+    """(lever, us, note) for one cell's priced calls (`int8`: the same calls, all-reduces priced
+    as INT8 payloads)."""
     ar = [p for p in priced if p["op"] == "all_reduce"]
     data = {id(p): max(p["link_us"], p["host_us"]) for p in priced}
+    ar8 = [p for p in int8 if p["op"] == "all_reduce"]
+    paths = sorted({p["path"] for p in ar8})
+    ratio = sum(p["count"] * max(p["link_us"], p["host_us"]) for p in ar8) / max(
+        sum(p["count"] * data[id(p)] for p in ar), 1e-9)
     yield ("INT8 decode all-reduce",
-           base - sum(p["count"] * (1 - INT8_PAYLOAD_RATIO) * data[id(p)] for p in ar),
-           f"every all-reduce's bytes x{INT8_PAYLOAD_RATIO:.3f} on its auto path (the direct "
-           "paths carry no INT8 yet: predicted, quantization cost left out); error "
+           base - sum(p["count"] * p["us"] for p in ar) + sum(p["count"] * p["us"] for p in ar8),
+           f"GLMCTL_COLLECTIVES_INT8=all: every all-reduce as INT8 records on {', '.join(paths)} "
+           f"(predicted: data terms x{ratio:.3f}, the records' bytes with their scales; the "
+           "direct two shots' extra flag round where bf16 took LL or one shot; the codec's "
+           "arithmetic as predicted in `cost_terms`); error "
            + (int8_rel_err or "not measured here"))
     layer = next(p for p in ar if p["what"].startswith("attention"))
     yield ("one all-reduce per layer", base - model.num_hidden_layers * layer["us"],
