@@ -36,6 +36,7 @@ from glmctl.collectives.direct_kernels import (
     DONE_STATUS,
     TILE,
     WAIT_STATUS,
+    _announce,
     _common,
     _poll_line,
 )
@@ -93,11 +94,7 @@ def _collect_int8_kernel(
     peer = (rows < world) & (rows != rank)
     if PHASE & 1:
         if c == 0:
-            if ROUND == 0:
-                tl.store(epoch_word, e)
-            tl.store(status, wait_status)
-            tl.store(flags + (ROUND * world + rows).to(tl.int64) * 16 + rank,
-                     tl.zeros([WP2], tl.int32) + e, mask=peer)
+            _announce(flags, epoch_word, status, wait_status, e, rows, peer, rank, world, ROUND)
     if PHASE & 2:
         _poll_line(flags + (ROUND * world + rank) * 16 + rows, peer, e, abort)
         slot = (q * world + rows).to(tl.int64) * capacity  # [WP2] bytes: every rank's slot

@@ -117,6 +117,16 @@ def _poll_line(line, peer, e, abort):
                 bad = bad * 0
 
 
+@triton.jit
+def _announce(flags, epoch_word, status, wait_status, e, rows, peer, rank, world, ROUND: tl.constexpr):
+    """Program 0 of a call's first collect kernel: the rank's epoch word (round 0), the watchdog's
+    status, and this round's flag to every peer (each flag line is written by its one rank)."""
+    if ROUND == 0:
+        tl.store(epoch_word, e)
+    tl.store(status, wait_status)
+    tl.store(flags + (ROUND * world + rows).to(tl.int64) * 16 + rank, tl.zeros_like(rows) + e, mask=peer)
+
+
 @triton.jit(do_not_specialize=["rank", "world"])
 def _ll_kernel(
     x, out, slots, epochs, abort, status, epoch_word, tick_dev, tick_host,
@@ -203,11 +213,7 @@ def _collect_kernel(
     peer = (rows < world) & (rows != rank)
     if PHASE & 1:
         if c == 0:
-            if ROUND == 0:
-                tl.store(epoch_word, e)
-            tl.store(status, wait_status)
-            tl.store(flags + (ROUND * world + rows).to(tl.int64) * 16 + rank,
-                     tl.zeros([WP2], tl.int32) + e, mask=peer)
+            _announce(flags, epoch_word, status, wait_status, e, rows, peer, rank, world, ROUND)
     if PHASE & 2:
         _poll_line(flags + (ROUND * world + rank) * 16 + rows, peer, e, abort)
         base = slots + (q * world + rows).to(tl.int64) * slot_elems  # [WP2]: every rank's slot
