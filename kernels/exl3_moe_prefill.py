@@ -32,7 +32,9 @@ import torch
 from .exl3_moe_decode import DECODE_CONFIGS, DecodeConfig, DecodeWorkspace, exl3_moe_decode
 
 PREFILL_TOKENS = 2048  # tokens per slice: vLLM's prefill chunk on the rank
-DEFAULT_PREFILL = "prefill_r64"
+# 32-slot runs: on mma.sync (an H100 under DISABLE_MMA_V3=1, 2026-12-06) 2.90 ms per layer at 2,048
+# tokens against prefill_r64's 3.81 (10.19 against 14.61 at 8,192; bench/results/quick-round-h100-2026-12-06.json)
+DEFAULT_PREFILL = "prefill_r32"
 PREFILL_CONFIGS = tuple(name for name, c in DECODE_CONFIGS.items() if c.rows > 16)
 
 

@@ -130,22 +130,21 @@ def direct_chunk_elems(numel: int, world: int) -> int:
 
 
 DEFAULT_DIRECT_CAPACITY = 512 * KiB  # bytes per direct-path slot (LL and native regions each)
-# The direct path by rank count. On the thread rig (one H200, ranks as threads of one process,
-# captured graphs, 2026-12-01; bench/results/collectives-h200.md) LL words were the fastest path
-# measured at every size up to 64 KiB at 2 and 4 ranks and up to 32 KiB at 8, and bound by their
-# bytes from 32 KiB: at 4 ranks 2 MiB cross the rig's one link per 64 KiB call (38 of its 46 us).
-# The native one- and two-shot paths move a half and a third of those bytes (at 4 ranks) for a
-# fence and one or two flag rounds. The limits are where `cost_model` *predicts* each path fastest
-# from that run's fitted terms (`cost_terms`): on the rig for 2 and 4 ranks (4 ranks, 64 KiB:
-# direct_1s 25.5 us, direct_2s 25.6, LL 40.0), and for 8 ranks on the node's links, where host
-# memory is shared and LL's 16 bytes per payload byte per rank cost most (8 KiB: LL 14.5 us,
-# direct_1s 11.0; 16 KiB: direct_1s 16.2, direct_2s 14.5). The rig measures every path at every
-# small size (`bench/gpu/collectives_threads.sh`); `tests/unit/test_collectives_defaults.py`
-# holds these limits to its record.
+# The direct path by rank count: LL words only, as measured. On the thread rig (one H200, ranks as
+# threads of one process, captured graphs, 2026-12-01; bench/results/collectives-h200.md) LL words
+# were the fastest of today's paths at every size measured up to 128 KiB at 2 and 4 ranks, and at 8
+# ranks up to 128 KiB as well once that run's flag-line path (which the planner no longer has) is
+# set aside; bound by their bytes from 32 KiB (at 4 ranks 2 MiB cross the rig's one link per 64 KiB).
+# The native one- and two-shot paths (a fence and one or two flag rounds for a half or a third of
+# LL's bytes) are predicted faster above a few KiB by `cost_model`, but on their first GPU run
+# (the rig on an H100, 2026-12-06, bench/results/quick-round-h100-2026-12-06.json) they took
+# 257 us (2 ranks, 32 KiB) to 5.9 ms (8 ranks, 64 KiB) per call where LL took 5-40 us: they stay
+# off by default (0) until that is understood; `DirectLimits` still names them for the rig's
+# variants. `tests/unit/test_collectives_defaults.py` holds these limits to the rig's record.
 DIRECT_BY_WORLD = {
-    2: DirectLimits(ll_max_bytes=16 * KiB, one_shot_max_bytes=256 * KiB),
-    4: DirectLimits(ll_max_bytes=8 * KiB, one_shot_max_bytes=64 * KiB, two_shot_max_bytes=256 * KiB),
-    8: DirectLimits(ll_max_bytes=4 * KiB, one_shot_max_bytes=8 * KiB, two_shot_max_bytes=384 * KiB),
+    2: DirectLimits(ll_max_bytes=128 * KiB),
+    4: DirectLimits(ll_max_bytes=128 * KiB),
+    8: DirectLimits(ll_max_bytes=128 * KiB),
 }
 
 

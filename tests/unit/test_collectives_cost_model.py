@@ -12,17 +12,20 @@ import pytest
 
 from glmctl.collectives import cost_model as cm
 from glmctl.collectives import cost_terms as ct
-from glmctl.collectives.call_plan import plan_all_reduce
+from glmctl.collectives.call_plan import DirectLimits, PathOptions, plan_all_reduce
 from tests.conftest import REPO
 
 MiB = 1 << 20
 PATHS = ("one_shot", "two_shot", "gather", "direct_ll", "direct_1s", "direct_2s")
 COSTS = ct.ProtocolCosts("test", per_memop_us=0.5, rig_ceiling_gbps=50.0,
                          paths={p: ct.PathTerms(10.0, 1.0, 50.0) for p in PATHS})
+# the native direct shots, as a communicator configured for them takes them (the defaults do not)
+NATIVE = PathOptions(direct=DirectLimits(ll_max_bytes=4096, one_shot_max_bytes=8192,
+                                         two_shot_max_bytes=384 * 1024, capacity=512 * 1024))
 
 
 def test_small_messages_are_latency_and_large_ones_host_memory_on_8_l40s():
-    small = cm.breakdown("all_reduce", 8, 8192, costs=COSTS)  # one native shot at 8 ranks
+    small = cm.breakdown("all_reduce", 8, 8192, costs=COSTS, options=NATIVE)  # one native shot at 8 ranks
     assert (small.path, small.bound) == ("direct_1s", "latency")
     assert small.latency_s == pytest.approx((10 + 0.5 * 1 + 1.0 * 1) * 1e-6)  # a fence, a poll
     big = cm.breakdown("all_reduce", 8, 16 * MiB, costs=COSTS)
@@ -36,8 +39,8 @@ def test_small_messages_are_latency_and_large_ones_host_memory_on_8_l40s():
 
 def test_a_path_slower_than_the_copy_engines_is_slower_on_the_links_too():
     slow = ct.ProtocolCosts("t", 0.5, 50.0, {**COSTS.paths, "direct_2s": ct.PathTerms(10, 1, 25)})
-    a = cm.breakdown("all_reduce", 8, 256 * 1024, costs=COSTS)
-    b = cm.breakdown("all_reduce", 8, 256 * 1024, costs=slow)
+    a = cm.breakdown("all_reduce", 8, 256 * 1024, costs=COSTS, options=NATIVE)
+    b = cm.breakdown("all_reduce", 8, 256 * 1024, costs=slow, options=NATIVE)
     assert a.path == b.path == "direct_2s"
     assert b.link_s == pytest.approx(2 * a.link_s) and b.host_s == a.host_s
 

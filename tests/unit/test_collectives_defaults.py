@@ -6,6 +6,7 @@ record older than a path holds none of its rows; the rig's next run measures eve
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 
@@ -13,6 +14,7 @@ from glmctl.collectives.calibration import CollectivesCalibration
 from glmctl.collectives.call_plan import (
     DEFAULT_DIRECT_CAPACITY,
     DIRECT_BY_WORLD,
+    Algorithm,
     DirectLimits,
     PathOptions,
     default_direct,
@@ -23,6 +25,7 @@ from tests.conftest import REPO
 
 RECORD = REPO / "bench" / "results" / "collectives-h200-threads.json"
 KiB, MiB = 1 << 10, 1 << 20
+PATHS = set(get_args(Algorithm))
 
 
 def _record():
@@ -40,6 +43,8 @@ def _measured(op: str) -> dict:
     for r in _record()["rows"]:
         if r["op"] != op or r["graph"] != "captured" or r["dtype"] == "int8" or r["wrong"]:
             continue
+        if r["algorithm"] not in PATHS:  # a path the planner no longer has (the 2026-12-01 flag lines)
+            continue
         cell = out.setdefault((r["ranks"], r["rank_bytes"]), {})
         k = _kind(r["algorithm"], r["d2h"], r["h2d"])
         cell[k] = min(cell.get(k, float("inf")), r["time_us"])
@@ -49,13 +54,13 @@ def _measured(op: str) -> dict:
 
 # A gather may be up to 10% off its best path: both ops share one limit per rank count, set by the
 # all-reduce (90 calls per decode step against one logits gather).
-@pytest.mark.parametrize(("op", "elem_bytes", "tolerance"), [("all_reduce", 2, 1.02),
-                                                             ("all_gather", 4, 1.10)])
-def test_the_default_path_is_the_fastest_measured(op, elem_bytes, tolerance):
+@pytest.mark.parametrize(("op", "elem_bytes", "tolerance", "min_cells"), [("all_reduce", 2, 1.02, 6),
+                                                                          ("all_gather", 4, 1.10, 3)])
+def test_the_default_path_is_the_fastest_measured(op, elem_bytes, tolerance, min_cells):
     doc = _record()
     engines = CollectivesCalibration.model_validate(doc["meta"]["calibration"]).engines()
     cells = _measured(op)
-    assert {n for n, _ in cells} == {2, 4, 8} and len(cells) >= 6
+    assert {n for n, _ in cells} == {2, 4, 8} and len(cells) >= min_cells
     checked = set()
     for (n, nbytes), cell in sorted(cells.items()):
         plan = plan_call(op, nbytes // elem_bytes, elem_bytes, n, False, PathOptions(engines=engines),
@@ -70,17 +75,13 @@ def test_the_default_path_is_the_fastest_measured(op, elem_bytes, tolerance):
 
 
 def test_the_limits_by_rank_count():
-    assert default_direct(2).two_shot_max_bytes == 0  # two shots move no fewer bytes at 2 ranks
-    four, eight = default_direct(4), default_direct(8)
-    assert four.ll_max_bytes < four.one_shot_max_bytes < four.two_shot_max_bytes
-    assert eight.ll_max_bytes < eight.one_shot_max_bytes < eight.two_shot_max_bytes
-    assert eight.two_shot_max_bytes >= 48 * 4096 * 2  # every decode all-reduce, 48 tokens
+    for n in (2, 4, 8):  # LL words only: the native one- and two-shot paths measured slow (2026-12-06)
+        lim = default_direct(n)
+        assert lim.ll_max_bytes >= 32 * KiB and lim.one_shot_max_bytes == lim.two_shot_max_bytes == 0
     assert default_direct(3) == default_direct(4)  # the next measured count up
-    assert default_direct(5) == default_direct(16) == eight  # beyond 8: the 8-rank limits
+    assert default_direct(5) == default_direct(16) == default_direct(8)  # beyond 8: the 8-rank limits
     assert default_direct(8, capacity=8192).capacity == 8192
     for n, lim in DIRECT_BY_WORLD.items():  # every size up to a limit fits the default area
         assert DirectLimits(ll_max_bytes=lim.ll_max_bytes, capacity=DEFAULT_DIRECT_CAPACITY).algorithm(
-            "all_reduce", lim.ll_max_bytes // 2, 2, n) in ("direct_ll", None)
+            "all_reduce", lim.ll_max_bytes // 2, 2, n) == "direct_ll"
         assert 2 * lim.ll_max_bytes <= DEFAULT_DIRECT_CAPACITY
-        top = max(lim.one_shot_max_bytes, lim.two_shot_max_bytes)
-        assert default_direct(n).algorithm("all_reduce", top // 2, 2, n) is not None

@@ -148,10 +148,10 @@ def test_plan_call_takes_the_measured_direct_limits_for_the_rank_count():
     cap = slot_capacity(4 * MiB, 8)
     measured = PathOptions()
     assert plan_call("all_reduce", 1024, 2, 8, False, measured, cap).algorithm == "direct_ll"
-    assert plan_call("all_reduce", 4096, 2, 8, False, measured, cap).algorithm == "direct_1s"
-    assert plan_call("all_reduce", 128 * 1024, 2, 8, False, measured, cap).algorithm == "direct_2s"
-    assert plan_call("all_reduce", 64 * 1024, 2, 4, False, measured, cap).algorithm == "direct_2s"
-    assert plan_call("all_reduce", 32 * 1024, 2, 2, False, measured, cap).algorithm == "direct_1s"
+    for world in (2, 4, 8):  # LL words to 128 KiB, then the barrier paths (the native shots: off)
+        assert plan_call("all_reduce", 64 * 1024, 2, world, False, measured, cap).algorithm == "direct_ll"
+        assert plan_call("all_reduce", 128 * 1024 + 8, 2, world, False, measured, cap).algorithm in (
+            "one_shot", "two_shot")
     off = PathOptions(direct=DirectLimits())
     assert plan_call("all_reduce", 16 * 1024, 2, 8, False, off, cap).algorithm == "one_shot"
     assert plan_call("all_reduce", 4 * MiB, 2, 4, False, measured, slot_capacity(MiB, 4)) is None
@@ -203,8 +203,10 @@ def test_plan_call_sends_decode_sizes_as_int8_on_the_direct_two_shot_path():
 
     cap = slot_capacity(4 * MiB, 8)
     for world in (2, 4, 8):
-        for tokens in (1, 4, 8, 32):  # decode all-reduces of tokens x 4096 bf16
+        for tokens in (1, 4, 8, 16):  # decode all-reduces of tokens x 4096 bf16 within the direct reach
             p = plan_call("all_reduce", tokens * 4096, 2, world, True, PathOptions(), cap)
             assert (p.algorithm, p.int8) == ("direct_2s", True), (world, tokens)
             native = plan_call("all_reduce", tokens * 4096, 2, world, False, PathOptions(), cap)
             assert not native.int8
+        p = plan_call("all_reduce", 32 * 4096, 2, world, True, PathOptions(), cap)  # beyond it
+        assert p.algorithm in ("one_shot", "two_shot") and p.int8
