@@ -160,7 +160,8 @@ SWITCHES: tuple[Switch, ...] = (
        "peer access (auto)", default="vllm", choices=("vllm", "host-staged", "auto")),
     Switch("GLMCTL_COLLECTIVES_INT8", "choice", PLUGIN,
        "INT8 payloads for prefill all-reduces of at least GLMCTL_COLLECTIVES_INT8_MIN_MIB (prefill), "
-       "or for every all-reduce, decode sizes on the direct two-shot path (all)",
+       "or for every all-reduce, decode sizes within the direct path's reach as INT8 two shots (all; "
+       "measured slow on the one-GPU rig)",
        default="off", choices=("off", "prefill", "all")),
     Switch("GLMCTL_COLLECTIVES_INT8_MIN_MIB", "number", PLUGIN,
        "smallest all-reduce sent as INT8 with GLMCTL_COLLECTIVES_INT8=prefill, MiB (always above the "
