@@ -82,6 +82,8 @@ def test_levers_lower_the_step_and_say_what_they_assume():
             continue
         assert 0 < lv["ms"] < base[lv["cell"]], lv
         assert lv["saved_ms"] == pytest.approx(base[lv["cell"]] - lv["ms"], abs=2e-3)
+    shots = {lv["cell"]: lv for lv in levers if lv["lever"] == "native direct shots as priced"}
+    assert set(shots) == {"8x22k", "1x64k"} and "off by default" in shots["8x22k"]["note"]
     int8 = next(lv for lv in levers if lv["lever"] == "INT8 decode all-reduce")
     assert "0.7% (test)" in int8["note"]
 

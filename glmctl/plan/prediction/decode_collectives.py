@@ -18,6 +18,16 @@ from collections import Counter
 from glmctl.plan.model import ModelSpec, load_model_spec
 from glmctl.plan.prediction.node_records import Collective
 
+
+# The direct path's native shots as the 2026-12-05 cost model placed them at 8 ranks (off by default
+# since they measured slow on the thread rig): the "native direct shots" lever prices them
+def _native_shots():
+    from glmctl.collectives.call_plan import DirectLimits, KiB
+
+    return DirectLimits(ll_max_bytes=4 * KiB, one_shot_max_bytes=8 * KiB, two_shot_max_bytes=384 * KiB,
+                        capacity=512 * KiB)
+
+
 # The report's decode cells that the per-rank simulation measures: name -> sessions
 DECODE_CELLS = (("8x22k", 8), ("1x64k", 1))
 
@@ -50,16 +60,19 @@ def decode_step_collectives(model: ModelSpec, tp: int, sessions: int, num_spec: 
     return calls
 
 
-def _priced(calls: list[Collective], tp: int, node, costs, int8: bool = False) -> list[dict]:
+def _priced(calls: list[Collective], tp: int, node, costs, int8: bool = False, direct=None) -> list[dict]:
     """Each call kind's terms; `int8`: all-reduces as INT8 payloads (GLMCTL_COLLECTIVES_INT8=all:
-    the decode sizes on the direct path's two shots, priced by their records' bytes and codec)."""
+    the decode sizes on the direct path's two shots, priced by their records' bytes and codec);
+    `direct`: the direct path's limits (`call_plan.DirectLimits`; None: the measured defaults)."""
     from glmctl.collectives import cost_model
+    from glmctl.collectives.call_plan import PathOptions
 
+    options = PathOptions(direct=direct)
     out = []
     for c in calls:
         dtype = "int8" if int8 and c.op == "all_reduce" else c.dtype
         b = cost_model.breakdown(c.op, tp, c.bytes, dtype, node=node or cost_model.L40_NODE,
-                                 costs=costs or cost_model.PROTOCOL_COSTS)
+                                 costs=costs or cost_model.PROTOCOL_COSTS, options=options)
         out.append({"what": c.what, "op": c.op, "bytes": c.bytes, "count": c.count, "path": b.path,
                     "latency_us": b.latency_s * 1e6, "link_us": b.link_s * 1e6,
                     "host_us": b.host_s * 1e6, "us": b.seconds * 1e6, "bound": b.bound})
@@ -120,6 +133,13 @@ def decode_levers(model: ModelSpec | None = None, *, tp: int = 8, num_spec: int 
         out += [{"lever": name, "cell": cell, "ms": round(ms / 1e3, 3),
                  "saved_ms": round((base - ms) / 1e3, 3), "note": note}
                 for name, ms, note in _levers(model, priced, int8, base, tp, int8_rel_err)]
+        shots = sum(p["count"] * p["us"] for p in _priced(calls, tp, node, costs, direct=_native_shots()))
+        out.append({"lever": "native direct shots as priced", "cell": cell, "ms": round(shots / 1e3, 3),
+                    "saved_ms": round((base - shots) / 1e3, 3),
+                    "note": "the direct path's native one and two shots (publish, fence, collect) to "
+                            "384 KiB after LL words to 4 KiB, as the protocol's fitted terms price them on "
+                            "the node; off by default: on the one-GPU thread rig they took 0.26-6 ms per "
+                            "call (2026-12-06), the rig's queues or the protocol, not yet known"})
         if sessions >= 2:
             half = decode_step_collectives(model, tp, sessions // 2, num_spec)
             split = 2 * sum(p["count"] * p["us"] for p in _priced(half, tp, node, costs))
