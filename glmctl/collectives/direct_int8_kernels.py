@@ -20,7 +20,7 @@ so is the scale of a group that holds none. Symmetric per group: `scale = amax /
 
 A program works on tiles of `[WP2 ranks, GPP groups, G]` elements (at most `TILE`, every peer's
 part of the same groups in one set of loads: one round trip per tile, not one per peer) and sums
-over ranks by picking each row out exactly (`tl.where` against -0.0), as the native kernels do.
+over ranks with the native kernels' `_rank_order_sum` (each row picked out exactly, in rank order).
 Registers: TILE int8 and fp32 values over 128 threads; no shared memory beyond Triton's reduction
 scratch. `PHASE` as in `direct_kernels` (1: announce, 2: poll and collect, 3 on the GPU).
 """
@@ -39,6 +39,7 @@ from glmctl.collectives.direct_kernels import (
     _announce,
     _common,
     _poll_line,
+    _rank_order_sum,
 )
 from glmctl.collectives.kernels import MappedPtr, _quantize_groups, _tick
 from glmctl.collectives.segment import DIRECT_PROGRAMS
@@ -68,16 +69,6 @@ def _publish_int8_kernel(x, slot8, slot32, epochs, numel, n_groups, chunk_elems,
         tl.store(slot8 + rec[:, None] + k.to(tl.int64)[:, None] * G + cols[None, :], q,
                  mask=gm[:, None])
         tl.store(slot32 + (rec + chunk_elems) // 4 + k, s, mask=gm)
-
-
-@triton.jit
-def _pick_row_sum(v, rows3, world, WP2: tl.constexpr, GPP: tl.constexpr, G: tl.constexpr):
-    """Sum over the rank rows of v [WP2, GPP, G] in rank order from +0.0 (each row exactly)."""
-    acc = tl.zeros([GPP, G], dtype=tl.float32)
-    for j in tl.static_range(WP2):
-        row = tl.sum(tl.where(rows3 == j, v, -0.0), axis=0)
-        acc = tl.where(j < world, acc + row, acc)
-    return acc
 
 
 @triton.jit(do_not_specialize=["rank", "world"])
@@ -123,7 +114,8 @@ def _collect_int8_kernel(
                 own = rank.to(tl.int64) * chunk_elems + i
                 mine = tl.load(x + own, mask=km[:, None] & (own < numel), other=0.0)
                 v = tl.where(rows3 == rank, mine.to(tl.float32)[None, :, :], v)
-                acc = _pick_row_sum(v, rows3, world, WP2, GPP, G)
+                acc = tl.reshape(_rank_order_sum(tl.reshape(v, [WP2, GPP * G]), rows, world, WP2, GPP * G),
+                                 [GPP, G])
                 q2, s2 = _quantize_groups(acc, G)
                 res = (q * world + rank).to(tl.int64) * capacity + res_off
                 tl.store(slot8 + res + i, q2, mask=km[:, None])
