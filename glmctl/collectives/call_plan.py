@@ -146,6 +146,11 @@ DIRECT_BY_WORLD = {
     4: DirectLimits(ll_max_bytes=128 * KiB),
     8: DirectLimits(ll_max_bytes=128 * KiB),
 }
+# The native shots where the fitted cost model *predicts* them fastest at 8 ranks on the node's
+# links (LL words to 4 KiB, one shot to 8 KiB, two shots to 384 KiB: the 2026-12-05 defaults), for
+# pricing what they would give (`plan.prediction.decode_collectives`' levers); no plan takes them.
+PREDICTED_SHOTS_8 = DirectLimits(ll_max_bytes=4 * KiB, one_shot_max_bytes=8 * KiB,
+                                 two_shot_max_bytes=384 * KiB, capacity=DEFAULT_DIRECT_CAPACITY)
 
 
 def default_direct(world: int, capacity: int = DEFAULT_DIRECT_CAPACITY) -> DirectLimits:

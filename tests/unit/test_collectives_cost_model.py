@@ -12,7 +12,7 @@ import pytest
 
 from glmctl.collectives import cost_model as cm
 from glmctl.collectives import cost_terms as ct
-from glmctl.collectives.call_plan import DirectLimits, PathOptions, plan_all_reduce
+from glmctl.collectives.call_plan import PREDICTED_SHOTS_8, PathOptions, plan_all_reduce
 from tests.conftest import REPO
 
 MiB = 1 << 20
@@ -20,8 +20,7 @@ PATHS = ("one_shot", "two_shot", "gather", "direct_ll", "direct_1s", "direct_2s"
 COSTS = ct.ProtocolCosts("test", per_memop_us=0.5, rig_ceiling_gbps=50.0,
                          paths={p: ct.PathTerms(10.0, 1.0, 50.0) for p in PATHS})
 # the native direct shots, as a communicator configured for them takes them (the defaults do not)
-NATIVE = PathOptions(direct=DirectLimits(ll_max_bytes=4096, one_shot_max_bytes=8192,
-                                         two_shot_max_bytes=384 * 1024, capacity=512 * 1024))
+NATIVE = PathOptions(direct=PREDICTED_SHOTS_8)
 
 
 def test_small_messages_are_latency_and_large_ones_host_memory_on_8_l40s():

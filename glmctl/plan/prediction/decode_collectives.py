@@ -18,16 +18,6 @@ from collections import Counter
 from glmctl.plan.model import ModelSpec, load_model_spec
 from glmctl.plan.prediction.node_records import Collective
 
-
-# The direct path's native shots as the 2026-12-05 cost model placed them at 8 ranks (off by default
-# since they measured slow on the thread rig): the "native direct shots" lever prices them
-def _native_shots():
-    from glmctl.collectives.call_plan import DirectLimits, KiB
-
-    return DirectLimits(ll_max_bytes=4 * KiB, one_shot_max_bytes=8 * KiB, two_shot_max_bytes=384 * KiB,
-                        capacity=512 * KiB)
-
-
 # The report's decode cells that the per-rank simulation measures: name -> sessions
 DECODE_CELLS = (("8x22k", 8), ("1x64k", 1))
 
@@ -123,6 +113,8 @@ def decode_levers(model: ModelSpec | None = None, *, tp: int = 8, num_spec: int 
     """What would take each cell's collectives lower, predicted with the same terms: {lever,
     cell, ms, saved_ms, note}. `int8_rel_err` says what the INT8 all-reduce's error was measured
     to be (the rig's INT8 rows)."""
+    from glmctl.collectives.call_plan import PREDICTED_SHOTS_8
+
     model = model or load_model_spec("glm-5.3-flash")
     out = []
     for cell, sessions in cells:
@@ -133,7 +125,7 @@ def decode_levers(model: ModelSpec | None = None, *, tp: int = 8, num_spec: int 
         out += [{"lever": name, "cell": cell, "ms": round(ms / 1e3, 3),
                  "saved_ms": round((base - ms) / 1e3, 3), "note": note}
                 for name, ms, note in _levers(model, priced, int8, base, tp, int8_rel_err)]
-        shots = sum(p["count"] * p["us"] for p in _priced(calls, tp, node, costs, direct=_native_shots()))
+        shots = sum(p["count"] * p["us"] for p in _priced(calls, tp, node, costs, direct=PREDICTED_SHOTS_8))
         out.append({"lever": "native direct shots as priced", "cell": cell, "ms": round(shots / 1e3, 3),
                     "saved_ms": round((base - shots) / 1e3, 3),
                     "note": "the direct path's native one and two shots (publish, fence, collect) to "

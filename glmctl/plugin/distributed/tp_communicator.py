@@ -29,9 +29,9 @@ same on every rank; the INT8 choice is a pure function of the message size):
   GLMCTL_COLLECTIVES_INT8  off (default) | prefill: INT8 payloads for all-reduce messages of at
                            least GLMCTL_COLLECTIVES_INT8_MIN_MIB (default 4) and always above the
                            largest CUDA-graph capture size, so captured decode steps stay exact |
-                           all: INT8 for every all-reduce, captured decode steps included (the
-                           decode sizes on the direct path's two shots: about half the bytes
-                           through host memory, ~0.9% relative RMS error on random data)
+                           all: INT8 for every all-reduce, captured decode steps included (those
+                           within the direct path's reach as INT8 records in two shots: about half
+                           the bytes through host memory, ~0.9% relative RMS error on random data)
   GLMCTL_COLLECTIVES_MAX_MIB  largest message per call (default: the config's largest all-reduce,
                            1..32 MiB); the communicator sends larger messages in several calls.
                            Each rank holds (world + 1) x this in GPU memory, the group the same in
